@@ -1,0 +1,16 @@
+"""dgemma: DiffusionGemma in plain PyTorch."""
+
+from dgemma.config import PRESETS, ConfigError, ModelConfig, SamplingConfig, get_preset
+
+__version__ = "0.1.0"
+
+__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "load_model", "DiffusionGemma"]
+
+
+def __getattr__(name):
+    # Lazy so that `import dgemma` (and `dgemma --help`) stays fast and torch-free until needed.
+    if name in ("load_model", "DiffusionGemma", "KVCache"):
+        from dgemma import model
+
+        return getattr(model, name)
+    raise AttributeError(name)

@@ -1,0 +1,369 @@
+"""Configuration dataclasses and named presets.
+
+`ModelConfig` holds the text backbone of DiffusionGemma in flat, readable fields; `from_hf_dict` /
+`to_hf_dict` translate to and from the nested `config.json` that Hugging Face checkpoints carry
+(`text_config`, `per_layer_config`, `rope_parameters`, `layer_types`).
+`SamplingConfig` mirrors the checkpoint's `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a DiffusionGemma text model."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 262_144
+    hidden_size: int = 2816
+    intermediate_size: int = 2112  # dense GeGLU MLP, every layer (also the self-conditioning MLP)
+    num_layers: int = 30
+    num_heads: int = 16
+    # sliding-window layers
+    num_kv_heads: int = 8
+    head_dim: int = 256
+    sliding_window: int = 1024
+    rope_theta: float = 10_000.0
+    # full-attention layers: own head dim and KV heads, K = V (no v_proj), partial "proportional" RoPE
+    global_head_dim: int = 512
+    num_global_kv_heads: int = 2
+    global_rope_theta: float = 1_000_000.0
+    global_partial_rotary_factor: float = 0.25
+    layer_types: tuple[str, ...] = ((SLIDING,) * 5 + (FULL,)) * 5
+    # mixture of experts, in parallel with the dense MLP
+    num_experts: int = 128
+    top_k_experts: int = 8
+    moe_intermediate_size: int = 704
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float = 30.0
+    max_position_embeddings: int = 262_144
+    canvas_length: int = 256
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    bos_token_id: int = 2
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = set(self.layer_types) - {SLIDING, FULL}
+        if bad:
+            raise ConfigError(f"unknown layer types {sorted(bad)}")
+        for heads in (self.num_kv_heads, self.num_global_kv_heads):
+            if heads <= 0 or self.num_heads % heads:
+                raise ConfigError(f"num_heads={self.num_heads} is not a multiple of kv heads {heads}")
+        if not 1 <= self.top_k_experts <= self.num_experts:
+            raise ConfigError(f"top_k_experts={self.top_k_experts} outside 1..num_experts={self.num_experts}")
+
+    # -- per-layer geometry -------------------------------------------------------------------
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim if self.is_sliding(layer) else self.global_head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.num_kv_heads if self.is_sliding(layer) else self.num_global_kv_heads
+
+    # -- parameter arithmetic -----------------------------------------------------------------
+    def param_counts(self) -> dict[str, int]:
+        """Exact parameter counts by group, as stored in the checkpoint (tied embedding once)."""
+        h, v = self.hidden_size, self.vocab_size
+        attn = 0
+        for i in range(self.num_layers):
+            hd, kv = self.layer_head_dim(i), self.layer_kv_heads(i)
+            q = h * self.num_heads * hd
+            k = h * kv * hd
+            vproj = k if self.is_sliding(i) else 0
+            o = self.num_heads * hd * h
+            attn += q + k + vproj + o + 2 * hd  # + q_norm, k_norm
+        dense = self.num_layers * 3 * h * self.intermediate_size
+        one_expert = 3 * h * self.moe_intermediate_size
+        experts = self.num_layers * self.num_experts * one_expert
+        router = self.num_layers * (h * self.num_experts + h + self.num_experts)
+        norms = self.num_layers * 7 * h + h  # seven RMSNorms per layer + final norm
+        embedding = v * h
+        self_cond = 3 * h * self.intermediate_size + h
+        total = attn + dense + experts + router + norms + embedding + self_cond
+        active_experts = self.num_layers * self.top_k_experts * one_expert
+        # per token: everything but the inactive experts; the tied embedding counted once (as LM head);
+        # the self-conditioning MLP runs on the decoder only and is counted in as the decoder is the hot path.
+        active = total - experts + active_experts
+        return {
+            "attention": attn,
+            "dense_mlp": dense,
+            "experts": experts,
+            "router": router,
+            "norms": norms,
+            "embedding": embedding,
+            "self_conditioning": self_cond,
+            "total": total,
+            "active": active,
+        }
+
+    def kv_values_per_token(self, k_eq_v_once: bool = True) -> int:
+        """Cached numbers per token over all layers (K and V; full layers store K = V once if asked)."""
+        n = 0
+        for i in range(self.num_layers):
+            per = self.layer_kv_heads(i) * self.layer_head_dim(i)
+            n += per if (not self.is_sliding(i) and k_eq_v_once) else 2 * per
+        return n
+
+    # -- Hugging Face config.json -------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Read a DiffusionGemma `config.json` (top level with `text_config`, or a bare text config)."""
+        text = cfg.get("text_config", cfg)
+        if text is None:
+            raise ConfigError("config.json has no text_config")
+        num_layers = text.get("num_hidden_layers", 30)
+        layer_types = text.get("layer_types") or [
+            SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)
+        ]
+        layer_types = list(layer_types)
+        if layer_types and layer_types[-1] != FULL:  # the reference forces this too
+            layer_types[-1] = FULL
+        full_idx = [i for i, t in enumerate(layer_types) if t == FULL]
+        per_layer = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
+        over = per_layer.get(full_idx[0], {}) if full_idx else {}
+        global_head_dim = over.get("head_dim", text.get("global_head_dim", 512))
+        num_global_kv = over.get(
+            "num_key_value_heads", text.get("num_global_key_value_heads") or text.get("num_key_value_heads", 8)
+        )
+        for i in full_idx:
+            o = per_layer.get(i, over)
+            if o.get("head_dim", global_head_dim) != global_head_dim or o.get(
+                "num_key_value_heads", num_global_kv
+            ) != num_global_kv:
+                raise ConfigError("full-attention layers with different shapes are not supported")
+        rope = text.get("rope_parameters") or {}
+        rs = rope.get(SLIDING) or {"rope_theta": 10_000.0}
+        rf = rope.get(FULL) or {"rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25}
+        for name, r in ((SLIDING, rs), (FULL, rf)):
+            kind = r.get("rope_type", "default")
+            if kind not in ("default", "proportional") or r.get("factor", 1.0) != 1.0:
+                raise ConfigError(f"unsupported rope for {name}: {r}")
+        if rs.get("rope_type", "default") != "default" or rs.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"unsupported rope for sliding layers: {rs}")
+        if text.get("use_bidirectional_attention") == "all":
+            raise ConfigError("use_bidirectional_attention='all' (bidirectional encoder) is not supported")
+        if text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ConfigError(f"unsupported activation {text.get('hidden_activation')}")
+        if text.get("attention_bias"):
+            raise ConfigError("attention_bias=True is not supported")
+        eos = text.get("eos_token_id", 1)
+        return cls(
+            vocab_size=text.get("vocab_size", 262_144),
+            hidden_size=text.get("hidden_size", 2816),
+            intermediate_size=text.get("intermediate_size", 2112),
+            num_layers=num_layers,
+            num_heads=text.get("num_attention_heads", 16),
+            num_kv_heads=text.get("num_key_value_heads", 8),
+            head_dim=text.get("head_dim", 256),
+            sliding_window=text.get("sliding_window", 1024),
+            rope_theta=rs.get("rope_theta", 10_000.0),
+            global_head_dim=global_head_dim,
+            num_global_kv_heads=num_global_kv,
+            global_rope_theta=rf.get("rope_theta", 1_000_000.0),
+            global_partial_rotary_factor=(
+                rf.get("partial_rotary_factor", 1.0) if rf.get("rope_type") == "proportional" else 1.0
+            ),
+            layer_types=tuple(layer_types),
+            num_experts=text.get("num_experts") or 128,
+            top_k_experts=text.get("top_k_experts") or 8,
+            moe_intermediate_size=text.get("moe_intermediate_size") or 704,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            final_logit_softcapping=text.get("final_logit_softcapping") or 30.0,
+            max_position_embeddings=text.get("max_position_embeddings", 262_144),
+            canvas_length=cfg.get("canvas_length", 256) or 256,
+            pad_token_id=text.get("pad_token_id", 0) if text.get("pad_token_id") is not None else 0,
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            bos_token_id=text.get("bos_token_id", 2) if text.get("bos_token_id") is not None else 2,
+            initializer_range=text.get("initializer_range", 0.02),
+        )
+
+    def to_hf_dict(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A `config.json` that transformers' `DiffusionGemmaForBlockDiffusion` loads.
+
+        `base` is the config the model was loaded from; its other keys (vision config, token ids of
+        image markers, ...) are kept as they were.
+        """
+        out = copy.deepcopy(base) if base else _default_top_level()
+        text = out.setdefault("text_config", {}) or {}
+        out["text_config"] = text
+        full_over = {"head_dim": self.global_head_dim, "num_key_value_heads": self.num_global_kv_heads}
+        text.update(
+            {
+                "model_type": "diffusion_gemma_text",
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "sliding_window": self.sliding_window,
+                "layer_types": list(self.layer_types),
+                "per_layer_config": {str(i): dict(full_over) for i, t in enumerate(self.layer_types) if t == FULL},
+                "rope_parameters": {
+                    SLIDING: {"rope_type": "default", "rope_theta": self.rope_theta},
+                    FULL: {
+                        "rope_type": "proportional",
+                        "rope_theta": self.global_rope_theta,
+                        "partial_rotary_factor": self.global_partial_rotary_factor,
+                    },
+                },
+                "num_experts": self.num_experts,
+                "top_k_experts": self.top_k_experts,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "rms_norm_eps": self.rms_norm_eps,
+                "final_logit_softcapping": self.final_logit_softcapping,
+                "max_position_embeddings": self.max_position_embeddings,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "pad_token_id": self.pad_token_id,
+                "bos_token_id": self.bos_token_id,
+                "tie_word_embeddings": True,
+                "initializer_range": self.initializer_range,
+            }
+        )
+        text.setdefault("eos_token_id", self.eos_token_id)
+        text.pop("global_head_dim", None)
+        text.pop("num_global_key_value_heads", None)
+        out["canvas_length"] = self.canvas_length
+        out["tie_word_embeddings"] = True
+        out["model_type"] = "diffusion_gemma"
+        out["architectures"] = ["DiffusionGemmaForBlockDiffusion"]
+        return out
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _default_top_level() -> dict[str, Any]:
+    # A minimal vision tower description: transformers builds one from it; we never run it.
+    return {
+        "model_type": "diffusion_gemma",
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "text_config": {},
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+        },
+        "tie_word_embeddings": True,
+        "canvas_length": 256,
+    }
+
+
+@dataclass
+class SamplingConfig:
+    """The denoising sampler's knobs; defaults are the released `generation_config.json` values,
+    except `max_new_tokens`, which the official file caps at one canvas (256)."""
+
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_max: float = 0.8
+    t_min: float = 0.4
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    max_new_tokens: int = 2048
+    fixed_steps: bool = False  # run exactly max_denoising_steps per canvas (benchmarks)
+    eos_token_ids: tuple[int, ...] = (1, 106, 50)
+    pad_token_id: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        checks = [
+            (self.max_denoising_steps >= 1, "max_denoising_steps must be >= 1"),
+            (self.entropy_bound >= 0 and math.isfinite(self.entropy_bound), "entropy_bound must be >= 0"),
+            (0 < self.t_min <= self.t_max and math.isfinite(self.t_max), "need 0 < t_min <= t_max"),
+            (self.stability_threshold >= 1, "stability_threshold must be >= 1"),
+            (self.confidence_threshold >= 0, "confidence_threshold must be >= 0"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    @classmethod
+    def from_hf_dict(cls, gen: dict[str, Any], **overrides) -> "SamplingConfig":
+        """Read `generation_config.json`; `max_new_tokens` there is ignored (it caps output at one canvas)."""
+        kw: dict[str, Any] = {}
+        for key in ("max_denoising_steps", "t_max", "t_min", "stability_threshold", "confidence_threshold"):
+            if gen.get(key) is not None:
+                kw[key] = gen[key]
+        sampler = gen.get("sampler_config") or {}
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            kw["entropy_bound"] = sampler["entropy_bound"]
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+        if gen.get("pad_token_id") is not None:
+            kw["pad_token_id"] = gen["pad_token_id"]
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": {"entropy_bound": self.entropy_bound},
+            "t_max": self.t_max,
+            "t_min": self.t_min,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": self.confidence_threshold,
+            "eos_token_id": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id,
+        }
+
+    def replace(self, **changes) -> "SamplingConfig":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _tiny_layers(n: int, every: int = 2) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % every == 0 or i == n - 1 else SLIDING for i in range(n))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The released model's text backbone (google/diffusiongemma-26B-A4B-it).
+    "diffusiongemma-26b-a4b": ModelConfig(),
+    # Tests: every feature (sliding + full layers, K=V, partial RoPE, MoE) at toy size.
+    "tiny": ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, sliding_window=8, global_head_dim=32, num_global_kv_heads=1,
+        layer_types=_tiny_layers(4), num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        max_position_embeddings=4096, canvas_length=16,
+    ),
+    # Benchmarks: ~20M parameters, vocab 8192, 8 layers, 16 experts top-2, canvas 256.
+    "bench-20m": ModelConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=4,
+        num_kv_heads=2, head_dim=64, sliding_window=512, global_head_dim=128, num_global_kv_heads=1,
+        layer_types=((SLIDING,) * 3 + (FULL,)) * 2, num_experts=16, top_k_experts=2,
+        moe_intermediate_size=256, max_position_embeddings=32768, canvas_length=256,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return copy.deepcopy(PRESETS[name])
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
+
+
+__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]

@@ -1,0 +1,7 @@
+"""The DiffusionGemma network, its KV cache and checkpoint I/O."""
+
+from dgemma.model.attention import KVCache
+from dgemma.model.checkpoint import CheckpointError, load_model, save_pretrained
+from dgemma.model.network import DiffusionGemma
+
+__all__ = ["DiffusionGemma", "KVCache", "load_model", "save_pretrained", "CheckpointError"]

@@ -1,0 +1,156 @@
+"""Attention pieces: rotary tables, the KV cache, and the attention masks as pure functions.
+
+The cache stores, for every slot, the *position* of the token held there (-1 = empty or padding).
+Masks are computed from positions alone, so a slot's place in the buffer does not matter: the
+sliding-window layers can keep a ring buffer of `window - 1` slots and the full layers one slot per
+column, and the same mask code serves the causal encoder, the bidirectional decoder and training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgemma.config import ModelConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float, partial_factor: float = 1.0, device=None) -> torch.Tensor:
+    """(head_dim // 2,) inverse frequencies.
+
+    Sliding layers rotate every pair (partial_factor 1). Full layers use "proportional" RoPE: only the
+    first `partial_factor * head_dim / 2` pairs rotate, with frequencies computed against the full head
+    dim (the spectrum is truncated, not rescaled); the remaining pairs get frequency 0 (no rotation).
+    """
+    rotated = int(partial_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    return torch.cat([inv_freq, torch.zeros(head_dim // 2 - rotated, device=device)])
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions (B, T) -> cos, sin (B, T, 1, head_dim), computed in fp32 then cast."""
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (B, T, D): halves layout, paired with rotate_half
+    return angles.cos().to(dtype)[:, :, None, :], angles.sin().to(dtype)[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D): rotate pairs (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks (pure functions of positions)
+# ---------------------------------------------------------------------------------------------
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Encoder mask. q_pos (B, T), k_pos (B, S) with -1 for empty/padding -> (B, 1, T, S) bool.
+
+    A query sees keys at positions <= its own and, on sliding layers, within the last `window`.
+    """
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    visible = (k >= 0) & (k <= q)
+    if window is not None:
+        visible &= (q - k) < window
+    return _never_empty(visible)[:, None]
+
+
+def canvas_mask(cached_pos: torch.Tensor, canvas_start: torch.Tensor, canvas_len: int, window: int | None):
+    """Decoder mask. cached_pos (B, S), canvas_start (B,) -> (B, 1, L, S + L) bool.
+
+    Every canvas token sees the whole canvas and the cached prefix before `canvas_start`; on sliding
+    layers only the last `window - 1` prefix tokens (what the encoder's ring buffer keeps), so a
+    keep-everything training cache gives exactly what generation sees.
+    """
+    start = canvas_start[:, None]
+    prefix = (cached_pos >= 0) & (cached_pos < start)
+    if window is not None:
+        prefix &= cached_pos > start - window
+    B = cached_pos.shape[0]
+    visible = torch.cat([prefix, prefix.new_ones(B, canvas_len)], dim=1)  # (B, S + L)
+    return visible[:, None, None, :].expand(B, 1, canvas_len, visible.shape[1])
+
+
+def _never_empty(visible: torch.Tensor) -> torch.Tensor:
+    # Padding queries (left padding at the very start) see no key at all; let them see everything so
+    # attention stays finite. Their outputs are never used.
+    return visible | ~visible.any(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+class KVCache:
+    """Preallocated keys/values for every layer, written by the encoder, read by the decoder.
+
+    Full-attention layers keep one slot per column (`max_length` slots). Sliding layers keep a ring of
+    `window - 1` slots (all they will ever attend to), unless `keep_all` (training, where each example's
+    canvas sees a different prefix). Slot positions live in one table per layer kind.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_length: int,
+        *,
+        keep_all: bool = False,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.length = 0  # columns encoded so far == position of the next token
+        sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
+        self.capacity = {False: max_length, True: sliding_slots}  # keyed by is_sliding
+        self.slot_pos = {
+            s: torch.full((batch_size, n), -1, dtype=torch.long, device=device) for s, n in self.capacity.items()
+        }
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for i in range(config.num_layers):
+            shape = (batch_size, config.layer_kv_heads(i), self.capacity[config.is_sliding(i)], config.layer_head_dim(i))
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    def filled(self, sliding: bool) -> int:
+        """Number of leading slots in use (slots fill 0, 1, ... before the ring wraps)."""
+        return min(self.length, self.capacity[sliding])
+
+    def cached_positions(self, sliding: bool) -> torch.Tensor:
+        return self.slot_pos[sliding][:, : self.filled(sliding)]
+
+    def write_slots(self, sliding: bool, new_len: int) -> tuple[torch.Tensor, int]:
+        """Slots for the last tokens of an incoming block of `new_len`: (slot indices, how many kept)."""
+        keep = min(new_len, self.capacity[sliding])
+        device = self.slot_pos[sliding].device
+        columns = torch.arange(self.length + new_len - keep, self.length + new_len, device=device)
+        return columns % self.capacity[sliding], keep
+
+    def check_room(self, new_len: int):
+        if self.length + new_len > self.max_length:
+            raise ValueError(
+                f"cache full: {self.length} + {new_len} tokens exceed max_length={self.max_length}"
+            )
+
+    def commit_positions(self, positions: torch.Tensor, valid: torch.Tensor):
+        """Record the positions of a block just written (B, T); padding gets -1. Advances `length`."""
+        pos = torch.where(valid, positions, torch.full_like(positions, -1))
+        for sliding in (False, True):
+            slots, keep = self.write_slots(sliding, positions.shape[1])
+            self.slot_pos[sliding][:, slots] = pos[:, positions.shape[1] - keep :]
+        self.length += positions.shape[1]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished rows leave the batch)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.slot_pos = {s: p[rows] for s, p in self.slot_pos.items()}
+        self.batch_size = len(rows)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,367 @@
+"""The DiffusionGemma text network, top to bottom.
+
+One backbone, two modes, the same weights:
+  encode  -- causal over new tokens, writes their keys/values into the cache (prompt, committed canvases)
+  denoise -- bidirectional over a canvas, reads the cache, never writes it; input embeddings are mixed
+             with a self-conditioning signal made from the previous step's logits.
+
+Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V vocab, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dgemma.config import ModelConfig, SamplingConfig
+from dgemma.model.attention import (
+    KVCache,
+    apply_rope,
+    canvas_mask,
+    causal_mask,
+    rope_inv_freq,
+    rope_tables,
+)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) [* weight], computed in fp32. `with_scale=False` is the scale-free variant."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class GatedMLP(nn.Module):
+    """down(gelu(gate(x)) * up(x)): the dense MLP of every layer and of the self-conditioning block."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA with q/k RMSNorm, scale-free v norm and scaling 1.0. Full layers have no v_proj (K = V)."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.sliding = config.is_sliding(layer)
+        self.window = config.sliding_window if self.sliding else None
+        self.head_dim = config.layer_head_dim(layer)
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.layer_kv_heads(layer)
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False) if self.sliding else None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (B, T, H) -> q (B, Hq, T, D), k and v (B, Hkv, T, D)."""
+        B, T, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)), cos, sin)
+        k_raw = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v_raw = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v_raw)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool -> (B, T, H)."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        B, _, T, _ = q.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class Router(nn.Module):
+    """Top-k routing on the raw residual: scale-free RMSNorm * scale * H^-1/2 -> softmax (fp32) -> top-k,
+    renormalised, times a learned per-expert scale."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.top_k_experts
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self.root_size = config.hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor):
+        """x (N, H) -> weights (N, k), expert ids (N, k)."""
+        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        probs = scores.softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
+class Experts(nn.Module):
+    """E gated MLPs stored fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
+
+    Tokens are grouped by expert so each active expert runs one matmul over exactly its tokens.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def expert_weights(self, e: int):
+        """(gate_up (2I, H), down (H, I)) for expert e; quantised subclasses dequantise here."""
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x (N, H), weights/experts (N, k) -> (N, H)."""
+        N, k = experts.shape
+        flat_expert = experts.reshape(-1)  # (N*k,)
+        order = flat_expert.argsort(stable=True)
+        token_of = order // k  # which token each sorted assignment belongs to
+        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = order[start : start + n]
+            tokens = token_of[start : start + n]
+            start += n
+            gate_up, down = self.expert_weights(e)
+            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)
+            y = F.linear(gelu(gate) * up, down) * weights.reshape(-1)[idx, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class Block(nn.Module):
+    """attention, then a dense MLP in parallel with routed experts; each with its own norms."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, layer)
+        self.mlp = GatedMLP(h, config.intermediate_size)
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, H) residual stream -> (B, T, H) residual stream."""
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router(flat)  # routed on the raw residual, not the normed input
+        routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).view_as(x)
+        routed = self.post_feedforward_layernorm_2(routed)
+        return (x + self.post_feedforward_layernorm(dense + routed)) * self.layer_scalar
+
+    def forward(self, x, cos, sin, mask, old_k, old_v):
+        """Attend to [old keys ; own keys]. Returns the new residual and this block's own k, v."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        keys = torch.cat([old_k, k], dim=2) if old_k.shape[2] else k
+        values = torch.cat([old_v, v], dim=2) if old_v.shape[2] else v
+        x = x + self.post_attention_layernorm(self.self_attn.attend(q, keys, values, mask))
+        return self.feed_forward(x), k, v
+
+
+class SelfConditioning(GatedMLP):
+    """Decoder-only input block: scale-free-norm(embed(canvas) + MLP(norm(soft embedding of prev logits)))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.intermediate_size)
+        self.pre_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is None:  # first step: the signal is exactly zero and so is the MLP of zero
+            return self.post_norm(embeds)
+        return self.post_norm(embeds + super().forward(self.pre_norm(soft)))
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, config: ModelConfig, sampling_config: SamplingConfig | None = None):
+        super().__init__()
+        self.config = config
+        self.sampling_config = sampling_config or SamplingConfig(
+            eos_token_ids=(config.eos_token_id,), pad_token_id=config.pad_token_id
+        )
+        self.hf_config: dict | None = None  # the config.json we were loaded from, kept for saving
+        self.hf_generation_config: dict | None = None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+        self._inv_freq: dict = {}
+        if self.embed_tokens.weight.device.type != "meta":
+            self.reset_parameters()
+
+    # -- setup ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None):
+        """Random init: normal(0, initializer_range) for matrices, ones for norms and scales."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.fill_(1.0)
+        for block in self.layers:
+            block.layer_scalar.fill_(1.0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_length: int, *, keep_all: bool = False, device=None, dtype=None):
+        if max_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_length={max_length} exceeds the model's context of {self.config.max_position_embeddings}"
+            )
+        return KVCache(
+            self.config, batch_size, max_length, keep_all=keep_all,
+            device=device or self.device, dtype=dtype or self.dtype,
+        )
+
+    def inv_freq(self, sliding: bool) -> torch.Tensor:
+        key = (sliding, self.device)
+        if key not in self._inv_freq:
+            c = self.config
+            self._inv_freq[key] = (
+                rope_inv_freq(c.head_dim, c.rope_theta, 1.0, self.device)
+                if sliding
+                else rope_inv_freq(c.global_head_dim, c.global_rope_theta, c.global_partial_rotary_factor, self.device)
+            )
+        return self._inv_freq[key]
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
+        return self.embed_tokens(ids) * scale
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, tied LM head, soft-capping: (..., H) -> (..., V) fp32."""
+        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap
+
+    def _rope(self, positions: torch.Tensor):
+        return {s: rope_tables(positions, self.inv_freq(s), self.dtype) for s in (False, True)}
+
+    # -- encoder: causal, writes the cache --------------------------------------------------
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_logits: bool = True,
+        return_hidden: bool = False,
+    ):
+        """input_ids (B, T) at positions cache.length.. -> logits (B, T, V) fp32 (or hidden (B, T, H))."""
+        B, T = input_ids.shape
+        cache.check_room(T)
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        positions = (torch.arange(T, device=input_ids.device) + cache.length).expand(B, T)
+        key_pos = torch.where(valid, positions, torch.full_like(positions, -1))
+        rope = self._rope(positions)
+        masks = {}
+        for sliding in (False, True):
+            old = cache.cached_positions(sliding)
+            window = self.config.sliding_window if sliding else None
+            masks[sliding] = causal_mask(positions, torch.cat([old, key_pos], dim=1), window)
+
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.layers):
+            s = block.self_attn.sliding
+            n_old = cache.filled(s)
+            x, k, v = block(x, *rope[s], masks[s], cache.keys[i][:, :, :n_old], cache.values[i][:, :, :n_old])
+            slots, keep = cache.write_slots(s, T)
+            cache.keys[i][:, :, slots] = k[:, :, T - keep :].to(cache.keys[i].dtype)
+            cache.values[i][:, :, slots] = v[:, :, T - keep :].to(cache.values[i].dtype)
+        cache.commit_positions(positions, valid)
+        if return_hidden:
+            return x
+        return self.head(x) if return_logits else None
+
+    # -- decoder: bidirectional over the canvas, reads the cache -----------------------------
+    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
+        """Previous step's logits (B, L, V) -> expected embedding (B, L, H), scaled like token embeddings."""
+        probs = sc_logits.softmax(dim=-1, dtype=torch.float32).to(self.dtype)
+        return (probs @ self.embed_tokens.weight) * torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
+
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        cache: KVCache,
+        self_conditioning_logits: torch.Tensor | None = None,
+        *,
+        self_conditioning_mask: torch.Tensor | None = None,
+        prefix_length: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ):
+        """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified."""
+        B, L = canvas_ids.shape
+        device = canvas_ids.device
+        if prefix_length is None:
+            prefix_length = torch.full((B,), cache.length, dtype=torch.long, device=device)
+        positions = prefix_length[:, None] + torch.arange(L, device=device)  # (B, L)
+        rope = self._rope(positions)
+        masks = {
+            s: canvas_mask(cache.cached_positions(s), prefix_length, L, self.config.sliding_window if s else None)
+            for s in (False, True)
+        }
+
+        soft = None
+        if self_conditioning_logits is not None:
+            soft = self.soft_embedding(self_conditioning_logits)
+            if self_conditioning_mask is not None:
+                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        x = self.self_conditioning(self.embed(canvas_ids), soft)
+        for i, block in enumerate(self.layers):
+            s = block.self_attn.sliding
+            n_old = cache.filled(s)
+            x, _, _ = block(x, *rope[s], masks[s], cache.keys[i][:, :, :n_old], cache.values[i][:, :, :n_old])
+        return x if return_hidden else self.head(x)
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def save_pretrained(self, out_dir, *, max_shard_bytes: int | None = None):
+        from dgemma.model.checkpoint import save_pretrained
+
+        save_pretrained(self, out_dir, max_shard_bytes=max_shard_bytes)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
