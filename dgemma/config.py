@@ -97,9 +97,9 @@ class ModelConfig:
         self_cond = 3 * h * self.intermediate_size + h
         total = attn + dense + experts + router + norms + embedding + self_cond
         active_experts = self.num_layers * self.top_k_experts * one_expert
-        # per token: everything but the inactive experts; the tied embedding counted once (as LM head);
-        # the self-conditioning MLP runs on the decoder only and is counted in as the decoder is the hot path.
-        active = total - experts + active_experts
+        # per token through the backbone: everything but the inactive experts, the tied embedding counted
+        # once (as the LM head), the decoder-only self-conditioning MLP left out (as the published 3.8B does).
+        active = total - experts + active_experts - self_cond
         return {
             "attention": attn,
             "dense_mlp": dense,
@@ -135,14 +135,20 @@ class ModelConfig:
         if layer_types and layer_types[-1] != FULL:  # the reference forces this too
             layer_types[-1] = FULL
         full_idx = [i for i, t in enumerate(layer_types) if t == FULL]
-        per_layer = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
-        over = per_layer.get(full_idx[0], {}) if full_idx else {}
-        global_head_dim = over.get("head_dim", text.get("global_head_dim", 512))
-        num_global_kv = over.get(
-            "num_key_value_heads", text.get("num_global_key_value_heads") or text.get("num_key_value_heads", 8)
-        )
+        base_kv = text.get("num_key_value_heads", 8)
+        if "per_layer_config" in text:
+            # transformers saves only the fields that differ from the base layer (often nothing)
+            per_layer = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
+            over = per_layer.get(full_idx[0], {}) if full_idx else {}
+            global_head_dim = over.get("head_dim", text.get("head_dim", 256))
+            num_global_kv = over.get("num_key_value_heads", base_kv)
+        else:  # a hand-written config: the constructor's keyword defaults apply
+            per_layer = {}
+            global_head_dim = text.get("global_head_dim", 512)
+            num_global_kv = text.get("num_global_key_value_heads") or base_kv
+            over = {}
         for i in full_idx:
-            o = per_layer.get(i, over)
+            o = per_layer.get(i, {})
             if o.get("head_dim", global_head_dim) != global_head_dim or o.get(
                 "num_key_value_heads", num_global_kv
             ) != num_global_kv:
@@ -322,7 +328,8 @@ class SamplingConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         return {
             "max_denoising_steps": self.max_denoising_steps,
-            "sampler_config": {"entropy_bound": self.entropy_bound},
+            # transformers rebuilds the sampler dataclass from its class name
+            "sampler_config": {"entropy_bound": float(self.entropy_bound), "_cls_name": "EntropyBoundSamplerConfig"},
             "t_max": self.t_max,
             "t_min": self.t_min,
             "stability_threshold": self.stability_threshold,

@@ -290,8 +290,11 @@ class DiffusionGemma(nn.Module):
         *,
         return_logits: bool = True,
         return_hidden: bool = False,
+        pixel_values: torch.Tensor | None = None,
     ):
         """input_ids (B, T) at positions cache.length.. -> logits (B, T, V) fp32 (or hidden (B, T, H))."""
+        if pixel_values is not None:
+            raise ValueError("image input is not supported: dgemma runs DiffusionGemma's text path only")
         B, T = input_ids.shape
         cache.check_room(T)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

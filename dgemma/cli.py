@@ -1,0 +1,71 @@
+"""`dgemma` command line: generate | chat | info | train | bench | serve | sudoku | convert.
+
+Each subcommand lives in `dgemma/commands/<name>.py` with `add_arguments(parser)` and `run(args)`;
+this file only wires them up and turns expected failures into one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": "generate text with the block-diffusion sampler (or --ar for left-to-right)",
+    "chat": "interactive chat in the terminal",
+    "info": "summarise a model folder or preset: parameters, active parameters, memory",
+    "train": "fine-tune or train from scratch (diffusion objective, LoRA, AR baseline)",
+    "bench": "measure generation speed against transformers and autoregressive decoding",
+    "serve": "OpenAI-compatible HTTP server with a playground page",
+    "sudoku": "solve and evaluate sudoku puzzles with the shipped model",
+    "convert": "convert a Gemma 4 checkpoint into a DiffusionGemma checkpoint",
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def _available() -> dict[str, object]:
+    mods = {}
+    for name in COMMANDS:
+        try:
+            mods[name] = importlib.import_module(f"dgemma.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dgemma.commands.{name}":
+                raise
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma in plain PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in _available().items():
+        p = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    from dgemma.config import ConfigError
+    from dgemma.model.checkpoint import CheckpointError
+
+    return (UsageError, ConfigError, CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except expected_errors() as e:
+        print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`dgemma info`: parameters, active parameters and a memory model for a model folder or preset."""
+
+from __future__ import annotations
+
+import json
+
+from dgemma.config import ModelConfig, get_preset
+
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+GROUP_SIZE = 64  # int4 / int8 group-wise scales: one bf16 scale per group of weights
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Hugging Face format model folder")
+    src.add_argument("--preset", help="a named config, e.g. diffusiongemma-26b-a4b, tiny, bench-20m")
+    p.add_argument("--quantize", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="weight format for the memory model (default bf16)")
+    p.add_argument("--batch", type=int, default=1, help="batch size for the memory model (default 1)")
+    p.add_argument("--context", type=int, default=8192, help="tokens of context per request (default 8192)")
+
+
+def weight_bytes(config: ModelConfig, fmt: str) -> int:
+    """Bytes of weights in a format: matrices quantised group-wise (+ one bf16 scale per group); norms,
+    router scales and the embedding table's row scales counted exactly."""
+    counts = config.param_counts()
+    if fmt == "bf16":
+        return int(counts["total"] * 2)
+    small = counts["norms"] + config.num_layers * (config.hidden_size + config.num_experts)  # 1-D, kept bf16
+    matrices = counts["total"] - small
+    per = BYTES_PER_WEIGHT[fmt]
+    return int(matrices * per + matrices / GROUP_SIZE * 2 + small * 2)
+
+
+def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dict:
+    """A worked memory budget for generation: weights + KV cache + sampler buffers."""
+    kv_full_per_token = sum(
+        config.layer_kv_heads(i) * config.layer_head_dim(i) for i in range(config.num_layers) if not config.is_sliding(i)
+    )  # K = V on full layers: stored once
+    kv_sliding_per_token = sum(
+        2 * config.layer_kv_heads(i) * config.layer_head_dim(i) for i in range(config.num_layers) if config.is_sliding(i)
+    )
+    window = min(context, config.sliding_window)
+    kv_bytes = 2 * batch * (kv_full_per_token * context + kv_sliding_per_token * window)  # bf16
+    logits_buffer = batch * config.canvas_length * config.vocab_size * 4  # one fp32 (B, L, V) buffer
+    weights = weight_bytes(config, fmt)
+    return {
+        "format": fmt,
+        "batch": batch,
+        "context": context,
+        "weight_bytes": weights,
+        "kv_bytes_per_token_bf16": 2 * (kv_full_per_token + kv_sliding_per_token),
+        "kv_cache_bytes": kv_bytes,
+        "sampler_buffer_bytes": logits_buffer,
+        "total_bytes": weights + kv_bytes + logits_buffer,
+    }
+
+
+def summary(config: ModelConfig) -> dict:
+    counts = config.param_counts()
+    return {
+        "total_params": counts["total"],
+        "active_params": counts["active"],
+        "weight_bytes": {fmt: weight_bytes(config, fmt) for fmt in BYTES_PER_WEIGHT},
+        "params_by_group": {k: v for k, v in counts.items() if k not in ("total", "active")},
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def run(args):
+    from dgemma.cli import UsageError
+
+    if args.batch < 1 or args.context < 1:
+        raise UsageError("--batch and --context must be >= 1")
+    if args.model:
+        from dgemma.config import ConfigError
+        from dgemma.model.checkpoint import CheckpointError, read_config
+        from pathlib import Path
+
+        try:
+            config = ModelConfig.from_hf_dict(read_config(Path(args.model)))
+        except ConfigError as e:
+            raise CheckpointError(f"{args.model}/config.json: {e}") from None
+        name = args.model
+    else:
+        config = get_preset(args.preset)
+        name = args.preset
+    info = summary(config)
+    mem = memory_model(config, args.quantize, args.batch, args.context)
+    c = config
+    print(f"model            {name}")
+    print(f"layers           {c.num_layers} ({c.layer_types.count('sliding_attention')} sliding window {c.sliding_window}, "
+          f"{c.layer_types.count('full_attention')} full)")
+    print(f"hidden / vocab   {c.hidden_size} / {c.vocab_size:,}")
+    print(f"attention        {c.num_heads} q heads; sliding {c.num_kv_heads} kv x {c.head_dim}; "
+          f"full {c.num_global_kv_heads} kv x {c.global_head_dim} (K = V)")
+    print(f"experts          {c.num_experts} x {c.moe_intermediate_size}, top-{c.top_k_experts}, "
+          f"in parallel with a dense MLP of {c.intermediate_size}")
+    print(f"canvas           {c.canvas_length} tokens")
+    print(f"parameters       {info['total_params']:,} total, {info['active_params']:,} active per token "
+          "(tied embedding counted once)")
+    for group, n in info["params_by_group"].items():
+        print(f"  {group:<15}{n:>16,}")
+    for fmt, n in info["weight_bytes"].items():
+        print(f"weights {fmt:<8} {_gb(n)}")
+    print(f"memory model     {args.quantize} weights, batch {args.batch}, context {args.context}:")
+    print(f"  weights        {_gb(mem['weight_bytes'])}")
+    print(f"  KV cache       {_gb(mem['kv_cache_bytes'])}  ({mem['kv_bytes_per_token_bf16']:,} B/token bf16, "
+          f"sliding layers hold {min(args.context, c.sliding_window)} tokens)")
+    print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
+    print(f"  total          {_gb(mem['total_bytes'])}")
+    print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "weight_bytes")}, "memory": mem}))
+    return 0

@@ -1,0 +1,166 @@
+"""Checkpoint I/O: our saves load in transformers with identical logits and vice versa; bad folders
+fail with one clear error that names the file (and key)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.model import CheckpointError
+
+TOL = 1e-4
+
+
+def _logits(model_or_hf, ids, canvas, ours: bool):
+    from transformers.cache_utils import DynamicCache
+
+    with torch.no_grad():
+        if ours:
+            cache = model_or_hf.new_cache(ids.shape[0], 128)
+            model_or_hf.encode(ids, cache, return_logits=False)
+            return model_or_hf.denoise(canvas, cache)
+        return model_or_hf(input_ids=ids, decoder_input_ids=canvas).logits
+
+
+def test_our_save_loads_in_transformers(tmp_path, hf_checkpoints):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    folder, _ = hf_checkpoints["gemma-pattern"]
+    ours = dgemma.load_model(folder)
+    out = tmp_path / "ours"
+    ours.save_pretrained(out)
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(out).eval()
+    ids, canvas = torch.randint(0, 96, (2, 9)), torch.randint(0, 96, (2, 16))
+    assert (_logits(ours, ids, canvas, True) - _logits(hf, ids, canvas, False)).abs().max() <= TOL
+    # and round-trips through us, generation config included
+    again = dgemma.load_model(out)
+    assert again.sampling_config == ours.sampling_config
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+
+
+def test_randomly_initialised_model_saves_for_transformers(tmp_path):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    ours = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()
+    ours.save_pretrained(tmp_path / "m", max_shard_bytes=60_000)
+    assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "m").eval()
+    ids, canvas = torch.randint(0, 128, (1, 11)), torch.randint(0, 128, (1, 16))
+    assert (_logits(ours, ids, canvas, True) - _logits(hf, ids, canvas, False)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_transformers_save_loads_in_ours(tmp_path, hf_checkpoints, shard):
+    _, hf = hf_checkpoints["alternating"]
+    kwargs = {"max_shard_size": shard} if shard else {}
+    hf.save_pretrained(tmp_path / "hf", **kwargs)
+    if shard:
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ours = dgemma.load_model(tmp_path / "hf")
+    ids, canvas = torch.randint(0, 128, (2, 13)), torch.randint(0, 128, (2, 16))
+    assert (_logits(ours, ids, canvas, True) - _logits(hf, ids, canvas, False)).abs().max() <= TOL
+
+
+def test_vision_weights_skipped_with_one_notice(hf_checkpoints, capfd):
+    folder, _ = hf_checkpoints["alternating"]
+    dgemma.load_model(folder)
+    err = capfd.readouterr().err
+    assert err.count("vision-tower weights") == 1
+
+
+def test_bf16_load(hf_checkpoints):
+    folder, _ = hf_checkpoints["alternating"]
+    model = dgemma.load_model(folder, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    cache = model.new_cache(1, 64)
+    model.encode(torch.randint(0, 128, (1, 5)), cache)
+    assert model.denoise(torch.randint(0, 128, (1, 16)), cache).dtype == torch.float32
+
+
+@pytest.fixture
+def broken(tmp_path, hf_checkpoints):
+    """A fresh, sharded copy of a checkpoint to break in one way per test."""
+    _, hf = hf_checkpoints["alternating"]
+    folder = tmp_path / "broken"
+    hf.save_pretrained(folder, max_shard_size="20KB")
+    return folder
+
+
+def _shards(folder):
+    """Shards that hold text weights (vision-only shards are skipped by design)."""
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    return sorted({folder / f for k, f in weight_map.items() if k.startswith("model.decoder.")})
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        dgemma.load_model(tmp_path / "nope")
+
+
+def test_other_model_type(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = "gemma4"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json: model_type is 'gemma4'"):
+        dgemma.load_model(broken)
+
+
+def test_missing_shard(broken):
+    victim = _shards(broken)[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"{victim.name}: shard listed in .* is missing"):
+        dgemma.load_model(broken)
+
+
+def test_wrong_shape(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] = 100
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"safetensors: model\.decoder\.layers\.\d+\.mlp\.\w+_proj\.weight has shape"):
+        dgemma.load_model(broken)
+
+
+def test_truncated_file(broken):
+    victim = _shards(broken)[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=victim.name):
+        dgemma.load_model(broken)
+
+
+def test_pickle_only_folder_is_refused(tmp_path, hf_checkpoints):
+    folder, _ = hf_checkpoints["alternating"]
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        dgemma.load_model(tmp_path)
+
+
+def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
+    model.save_pretrained(tmp_path / "m")
+    before = sorted(p.name for p in (tmp_path / "m").iterdir())
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("dgemma.model.checkpoint.save_file", boom)
+    with pytest.raises(OSError):
+        model.save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folder left behind
+
+
+def test_cli_reports_bad_folder_without_traceback(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "info", "--model", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "config.json" in proc.stderr and "llama" in proc.stderr

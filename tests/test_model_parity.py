@@ -1,0 +1,143 @@
+"""Logit parity with transformers 5.23 (fp32, max abs diff <= 1e-4) for encode and denoise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgemma
+from tests.conftest import TINY_TEXT_CONFIGS
+
+TOL = 1e-4
+
+
+def softcap(x, cap=30.0):
+    return torch.tanh(x.float() / cap) * cap
+
+
+def hf_encode(hf, ids, cache, attention_mask=None):
+    out = hf.model.encoder(input_ids=ids, past_key_values=cache, attention_mask=attention_mask)
+    return softcap(hf.lm_head(out.last_hidden_state))
+
+
+@pytest.mark.parametrize("name", list(TINY_TEXT_CONFIGS))
+@torch.no_grad()
+def test_two_canvases_with_and_without_self_conditioning(hf_checkpoints, name):
+    from transformers.cache_utils import DynamicCache
+
+    folder, hf = hf_checkpoints[name]
+    model = dgemma.load_model(folder)
+    V = model.config.vocab_size
+    L = model.config.canvas_length
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 2 * model.config.sliding_window + 5  # prompt longer than the sliding window
+    ids = torch.randint(0, V, (B, T), generator=g)
+
+    hf_cache = DynamicCache(config=hf.config.text_config)
+    cache = model.new_cache(B, 256)
+    assert (model.encode(ids, cache) - hf_encode(hf, ids, hf_cache)).abs().max() <= TOL
+
+    for _ in range(2):  # denoise, commit the canvas with encode, denoise the next one
+        canvas = torch.randint(0, V, (B, L), generator=g)
+        sc_logits = torch.randn(B, L, V, generator=g) * 4
+        for sc in (None, sc_logits):
+            ref = hf(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc).logits
+            ours = model.denoise(canvas, cache, sc)
+            assert ours.dtype == torch.float32 and ours.shape == (B, L, V)
+            assert (ours - ref).abs().max() <= TOL
+        assert (model.encode(canvas, cache) - hf_encode(hf, canvas, hf_cache)).abs().max() <= TOL
+    assert cache.length == T + 2 * L
+
+
+@torch.no_grad()
+def test_self_conditioning_mask_zeroes_rows(hf_checkpoints):
+    from transformers.cache_utils import DynamicCache
+
+    folder, hf = hf_checkpoints["alternating"]
+    model = dgemma.load_model(folder)
+    ids = torch.randint(0, 128, (2, 5))
+    hf_cache = DynamicCache(config=hf.config.text_config)
+    hf_encode(hf, ids, hf_cache)
+    cache = model.new_cache(2, 64)
+    model.encode(ids, cache, return_logits=False)
+    canvas, sc = torch.randint(0, 128, (2, 16)), torch.randn(2, 16, 128)
+    mask = torch.tensor([True, False])
+    ref = hf(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc,
+             self_conditioning_mask=mask).logits
+    ours = model.denoise(canvas, cache, sc, self_conditioning_mask=mask)
+    assert (ours - ref).abs().max() <= TOL
+    # the masked row equals no self-conditioning at all
+    assert (ours[1] - model.denoise(canvas, cache)[1]).abs().max() <= 1e-6
+
+
+@torch.no_grad()
+def test_left_padding_matches_reference(hf_checkpoints):
+    from transformers.cache_utils import DynamicCache
+
+    folder, hf = hf_checkpoints["alternating"]
+    model = dgemma.load_model(folder)
+    ids = torch.randint(1, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :5] = False  # row 1 is left-padded
+    hf_cache = DynamicCache(config=hf.config.text_config)
+    ref = hf_encode(hf, ids, hf_cache, attention_mask=mask)
+    cache = model.new_cache(2, 64)
+    ours = model.encode(ids, cache, attention_mask=mask)
+    assert (ours[mask] - ref[mask]).abs().max() <= TOL
+    canvas = torch.randint(0, 128, (2, 16))
+    dec_mask = torch.cat([mask, torch.ones(2, 16, dtype=torch.bool)], dim=1)
+    ref = hf(decoder_input_ids=canvas, past_key_values=hf_cache, decoder_attention_mask=dec_mask).logits
+    assert (model.denoise(canvas, cache) - ref).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_cached_equals_uncached_and_cache_is_bounded(hf_checkpoints):
+    folder, _ = hf_checkpoints["gemma-pattern"]
+    model = dgemma.load_model(folder)
+    W = model.config.sliding_window
+    ids = torch.randint(0, model.config.vocab_size, (2, 3 * W + 1))
+    whole = model.new_cache(2, 128)
+    full_logits = model.encode(ids, whole)
+    chunked = model.new_cache(2, 128)
+    pieces = [model.encode(ids[:, a:b], chunked) for a, b in ((0, 4), (4, 5), (5, 2 * W), (2 * W, 3 * W + 1))]
+    assert (torch.cat(pieces, dim=1) - full_logits).abs().max() <= TOL
+    canvas = torch.randint(0, model.config.vocab_size, (2, 16))
+    assert (model.denoise(canvas, whole) - model.denoise(canvas, chunked)).abs().max() <= TOL
+    # sliding layers keep only what the window needs; full layers one slot per position
+    for i in range(model.config.num_layers):
+        expected = W - 1 if model.config.is_sliding(i) else 128
+        assert whole.keys[i].shape[2] == expected
+
+
+@torch.no_grad()
+def test_training_cache_with_prefix_length_equals_generation_cache(hf_checkpoints):
+    """keep_all + prefix_length (training) sees exactly what a generation cache sees."""
+    folder, _ = hf_checkpoints["alternating"]
+    model = dgemma.load_model(folder)
+    ids = torch.randint(0, 128, (1, 30))
+    canvas = torch.randint(0, 128, (1, 16))
+    full = model.new_cache(1, 64, keep_all=True)
+    model.encode(ids, full, return_logits=False)
+    for prefix in (7, 19, 30):
+        gen_cache = model.new_cache(1, 64)
+        model.encode(ids[:, :prefix], gen_cache, return_logits=False)
+        a = model.denoise(canvas, gen_cache)
+        b = model.denoise(canvas, full, prefix_length=torch.tensor([prefix]))
+        assert (a - b).abs().max() <= TOL
+
+
+def test_gradients_flow_through_encoder_and_decoder():
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
+    cache = model.new_cache(2, 64, keep_all=True)
+    enc = model.encode(torch.randint(0, 128, (2, 10)), cache)
+    dec = model.denoise(torch.randint(0, 128, (2, 16)), cache, torch.randn(2, 16, 128))
+    (enc.logsumexp(-1).mean() + dec.logsumexp(-1).mean()).backward()
+    layer = model.layers[0]
+    for p in (layer.self_attn.q_proj.weight, layer.experts.gate_up_proj, model.self_conditioning.gate_proj.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_image_input_is_refused_clearly():
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
+    with pytest.raises(ValueError, match="image input is not supported"):
+        model.encode(torch.zeros(1, 3, dtype=torch.long), model.new_cache(1, 8), pixel_values=torch.zeros(1, 3, 8, 8))
