@@ -7,7 +7,7 @@ import json
 from dgemma.config import ModelConfig, get_preset
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
-GROUP_SIZE = 64  # int4 / int8 group-wise scales: one bf16 scale per group of weights
+GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp32 scale per group
 
 
 def add_arguments(p):
@@ -21,15 +21,14 @@ def add_arguments(p):
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
-    """Bytes of weights in a format: matrices quantised group-wise (+ one bf16 scale per group); norms,
-    router scales and the embedding table's row scales counted exactly."""
+    """Bytes of weights as `dgemma.model.quant` stores them: every linear and the fused experts quantised
+    group-wise (+ one fp32 scale per group); the tied embedding / LM head, router and norms kept bf16."""
     counts = config.param_counts()
     if fmt == "bf16":
         return int(counts["total"] * 2)
-    small = counts["norms"] + config.num_layers * (config.hidden_size + config.num_experts)  # 1-D, kept bf16
-    matrices = counts["total"] - small
-    per = BYTES_PER_WEIGHT[fmt]
-    return int(matrices * per + matrices / GROUP_SIZE * 2 + small * 2)
+    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size  # + SC pre-norm
+    quantised = counts["total"] - kept
+    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 4 + kept * 2)
 
 
 def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dict:

@@ -111,6 +111,11 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         print("note: vision-tower weights in the checkpoint are skipped (dgemma runs the text path)", file=sys.stderr)
 
     expected = dict(model.state_dict())  # meta tensors: names and shapes
+    takers = {}
+    if quantize:
+        from dgemma.model.quant import feed_dense, swap_modules
+
+        takers = swap_modules(model, quantize)  # quantised twins, filled as their tensors are read
     handles: dict[Path, object] = {}
     loaded: dict[str, torch.Tensor] = {}
     try:
@@ -134,18 +139,21 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
                 raise CheckpointError(
                     f"{file}: {stored} has shape {tuple(tensor.shape)}, the config implies {tuple(meta.shape)}"
                 )
-            loaded[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+            tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+            if name in takers:
+                feed_dense(takers[name], name, tensor)
+            else:
+                loaded[name] = tensor
             del tensor
     finally:
         handles.clear()
-    model.load_state_dict(loaded, assign=True, strict=True)
+    missing, unexpected = model.load_state_dict(loaded, assign=True, strict=False)
+    left = [k for k in missing if not k.endswith(("qweight", "scales", "_q"))]
+    if left or unexpected:
+        raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
     del loaded
-    model.eval()
-    if quantize:
-        from dgemma.model.quant import quantize_model
-
-        quantize_model(model, quantize)
-    return model
+    model.quantization = quantize
+    return model.eval()
 
 
 def _state_for_saving(model) -> dict[str, torch.Tensor]:
@@ -159,6 +167,8 @@ def _state_for_saving(model) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
+    if getattr(model, "quantization", None):
+        raise ValueError("a quantised model cannot be saved in the checkpoint format; save the original")
     """Write config.json, generation_config.json and safetensors weights (sharded above max_shard_bytes).
 
     Written into a temporary folder beside `out_dir`, then renamed into place: a crash never leaves a

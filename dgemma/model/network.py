@@ -216,6 +216,7 @@ class DiffusionGemma(nn.Module):
         )
         self.hf_config: dict | None = None  # the config.json we were loaded from, kept for saving
         self.hf_generation_config: dict | None = None
+        self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.model.quant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,1 @@
+"""Tasks the project trains and evaluates on, each independent of any model (see `sudoku`)."""
