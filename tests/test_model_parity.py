@@ -141,3 +141,27 @@ def test_image_input_is_refused_clearly():
     model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     with pytest.raises(ValueError, match="image input is not supported"):
         model.encode(torch.zeros(1, 3, dtype=torch.long), model.new_cache(1, 8), pixel_values=torch.zeros(1, 3, 8, 8))
+
+
+@torch.no_grad()
+def test_rows_at_different_lengths_share_one_cache(hf_checkpoints):
+    """An engine keeps requests at different points in one cache: each row must behave as if alone."""
+    folder, _ = hf_checkpoints["gemma-pattern"]
+    model = dgemma.load_model(folder)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, V, (1, 17), generator=g), torch.randint(0, V, (1, 5), generator=g)
+    canvas = torch.randint(0, V, (2, 16), generator=g)
+    shared = model.new_cache(3, 64)
+    row_a, row_b = torch.tensor([2]), torch.tensor([0])
+    enc_a = model.encode(a, shared, rows=row_a)
+    enc_b = model.encode(b, shared, rows=row_b)
+    model.encode(canvas[1:], shared, rows=row_b)  # row b commits a canvas; row a does not
+    both = model.denoise(canvas, shared, rows=torch.tensor([2, 0]))
+    for ids, row, extra, enc in ((a, 0, None, enc_a), (b, 1, canvas[1:], enc_b)):
+        alone = model.new_cache(1, 64)
+        assert (model.encode(ids, alone) - enc).abs().max() <= TOL
+        if extra is not None:
+            model.encode(extra, alone)
+        assert (model.denoise(canvas[row : row + 1], alone) - both[row : row + 1]).abs().max() <= TOL
+    assert shared.row_lengths == [5 + 16, 0, 17]

@@ -86,9 +86,12 @@ def _never_empty(visible: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """Preallocated keys/values for every layer, written by the encoder, read by the decoder.
 
-    Full-attention layers keep one slot per column (`max_length` slots). Sliding layers keep a ring of
+    Full-attention layers keep one slot per position (`max_length` slots). Sliding layers keep a ring of
     `window - 1` slots (all they will ever attend to), unless `keep_all` (training, where each example's
     canvas sees a different prefix). Slot positions live in one table per layer kind.
+
+    Every row has its own length, so a serving engine can hold requests at different points in one
+    cache and run any subset of rows (`rows`) through a forward pass.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class KVCache:
         self.config = config
         self.batch_size = batch_size
         self.max_length = max_length
-        self.length = 0  # columns encoded so far == position of the next token
+        self.row_lengths = [0] * batch_size  # positions encoded so far per row (== next position)
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
         self.capacity = {False: max_length, True: sliding_slots}  # keyed by is_sliding
         self.slot_pos = {
@@ -117,40 +120,73 @@ class KVCache:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
 
-    def filled(self, sliding: bool) -> int:
-        """Number of leading slots in use (slots fill 0, 1, ... before the ring wraps)."""
-        return min(self.length, self.capacity[sliding])
+    @property
+    def device(self):
+        return self.slot_pos[False].device
 
-    def cached_positions(self, sliding: bool) -> torch.Tensor:
-        return self.slot_pos[sliding][:, : self.filled(sliding)]
+    @property
+    def length(self) -> int:
+        """The longest row's length (all rows are equal when the cache is used as one batch)."""
+        return max(self.row_lengths)
 
-    def write_slots(self, sliding: bool, new_len: int) -> tuple[torch.Tensor, int]:
-        """Slots for the last tokens of an incoming block of `new_len`: (slot indices, how many kept)."""
-        keep = min(new_len, self.capacity[sliding])
-        device = self.slot_pos[sliding].device
-        columns = torch.arange(self.length + new_len - keep, self.length + new_len, device=device)
-        return columns % self.capacity[sliding], keep
+    def lengths(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(n,) lengths of `rows` (all rows if None) as a tensor on the cache's device."""
+        lengths = torch.tensor(self.row_lengths, dtype=torch.long, device=self.device)
+        return lengths if rows is None else lengths[rows]
 
-    def check_room(self, new_len: int):
-        if self.length + new_len > self.max_length:
-            raise ValueError(
-                f"cache full: {self.length} + {new_len} tokens exceed max_length={self.max_length}"
-            )
+    def _row_list(self, rows: torch.Tensor | None) -> list[int]:
+        return list(range(self.batch_size)) if rows is None else rows.tolist()
 
-    def commit_positions(self, positions: torch.Tensor, valid: torch.Tensor):
-        """Record the positions of a block just written (B, T); padding gets -1. Advances `length`."""
+    def filled(self, sliding: bool, rows: torch.Tensor | None = None) -> int:
+        """Leading slots that may hold something for these rows (slots fill 0, 1, ... before a ring wraps)."""
+        return min(max(self.row_lengths[r] for r in self._row_list(rows)), self.capacity[sliding])
+
+    def view(self, layer: int, sliding: bool, rows: torch.Tensor | None):
+        """(keys, values, slot positions) of `rows`, cut to the slots in use."""
+        n = self.filled(sliding, rows)
+        k, v, pos = self.keys[layer][:, :, :n], self.values[layer][:, :, :n], self.slot_pos[sliding][:, :n]
+        if rows is None:
+            return k, v, pos
+        return k[rows], v[rows], pos[rows]
+
+    def cached_positions(self, sliding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.filled(sliding, rows)
+        pos = self.slot_pos[sliding][:, :n]
+        return pos if rows is None else pos[rows]
+
+    def check_room(self, new_len: int, rows: torch.Tensor | None = None):
+        longest = max(self.row_lengths[r] for r in self._row_list(rows))
+        if longest + new_len > self.max_length:
+            raise ValueError(f"cache full: {longest} + {new_len} tokens exceed max_length={self.max_length}")
+
+    def write(self, layer: int, sliding: bool, rows, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v (n, Hkv, T, D) of tokens at `positions` (n, T); a ring keeps only the last slots."""
+        keep = min(positions.shape[1], self.capacity[sliding])
+        slots = positions[:, -keep:] % self.capacity[sliding]  # (n, keep)
+        row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
+        new_k = k[:, :, -keep:].transpose(1, 2).to(self.keys[layer].dtype)  # (n, keep, Hkv, D)
+        new_v = v[:, :, -keep:].transpose(1, 2).to(self.values[layer].dtype)
+        self.keys[layer][row_idx[:, None], :, slots] = new_k
+        self.values[layer][row_idx[:, None], :, slots] = new_v
+
+    def commit_positions(self, rows, positions: torch.Tensor, valid: torch.Tensor):
+        """Record the positions of a block just written (n, T); padding gets -1. Advances the rows' lengths."""
         pos = torch.where(valid, positions, torch.full_like(positions, -1))
+        row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
         for sliding in (False, True):
-            slots, keep = self.write_slots(sliding, positions.shape[1])
-            self.slot_pos[sliding][:, slots] = pos[:, positions.shape[1] - keep :]
-        self.length += positions.shape[1]
+            keep = min(positions.shape[1], self.capacity[sliding])
+            slots = positions[:, -keep:] % self.capacity[sliding]
+            self.slot_pos[sliding][row_idx[:, None], slots] = pos[:, -keep:]
+        for r in self._row_list(rows):
+            self.row_lengths[r] += positions.shape[1]
 
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (finished rows leave the batch)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.slot_pos = {s: p[rows] for s, p in self.slot_pos.items()}
-        self.batch_size = len(rows)
+    def reset_rows(self, rows: list[int]):
+        """Free rows for new requests (their old slots become invisible)."""
+        for r in rows:
+            self.row_lengths[r] = 0
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for p in self.slot_pos.values():
+            p[idx] = -1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -289,34 +289,37 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         attention_mask: torch.Tensor | None = None,
         *,
+        rows: torch.Tensor | None = None,
         return_logits: bool = True,
         return_hidden: bool = False,
         pixel_values: torch.Tensor | None = None,
     ):
-        """input_ids (B, T) at positions cache.length.. -> logits (B, T, V) fp32 (or hidden (B, T, H))."""
+        """input_ids (B, T) -> logits (B, T, V) fp32 (or hidden (B, T, H)); appends to the cache.
+
+        Row b's tokens sit at positions cache length of b, +1, ...; `rows` (B,) picks cache rows (all if
+        None). attention_mask (B, T) False marks padding: never attended, its position still used.
+        """
         if pixel_values is not None:
             raise ValueError("image input is not supported: dgemma runs DiffusionGemma's text path only")
         B, T = input_ids.shape
-        cache.check_room(T)
+        cache.check_room(T, rows)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        positions = (torch.arange(T, device=input_ids.device) + cache.length).expand(B, T)
+        positions = cache.lengths(rows)[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
         key_pos = torch.where(valid, positions, torch.full_like(positions, -1))
         rope = self._rope(positions)
         masks = {}
         for sliding in (False, True):
-            old = cache.cached_positions(sliding)
+            old = cache.cached_positions(sliding, rows)
             window = self.config.sliding_window if sliding else None
             masks[sliding] = causal_mask(positions, torch.cat([old, key_pos], dim=1), window)
 
         x = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            n_old = cache.filled(s)
-            x, k, v = block(x, *rope[s], masks[s], cache.keys[i][:, :, :n_old], cache.values[i][:, :, :n_old])
-            slots, keep = cache.write_slots(s, T)
-            cache.keys[i][:, :, slots] = k[:, :, T - keep :].to(cache.keys[i].dtype)
-            cache.values[i][:, :, slots] = v[:, :, T - keep :].to(cache.values[i].dtype)
-        cache.commit_positions(positions, valid)
+            old_k, old_v, _ = cache.view(i, s, rows)
+            x, k, v = block(x, *rope[s], masks[s], old_k, old_v)
+            cache.write(i, s, rows, positions, k, v)
+        cache.commit_positions(rows, positions, valid)
         if return_hidden:
             return x
         return self.head(x) if return_logits else None
@@ -334,31 +337,37 @@ class DiffusionGemma(nn.Module):
         self_conditioning_logits: torch.Tensor | None = None,
         *,
         self_conditioning_mask: torch.Tensor | None = None,
+        soft_embedding: torch.Tensor | None = None,
         prefix_length: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
         return_hidden: bool = False,
     ):
-        """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified."""
+        """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
+
+        Self-conditioning comes either as the previous logits or, to spare a (B, L, V) buffer, as their
+        `soft_embedding` (B, L, H) made earlier with `soft_embedding()`.
+        """
         B, L = canvas_ids.shape
         device = canvas_ids.device
         if prefix_length is None:
-            prefix_length = torch.full((B,), cache.length, dtype=torch.long, device=device)
+            prefix_length = cache.lengths(rows)
         positions = prefix_length[:, None] + torch.arange(L, device=device)  # (B, L)
         rope = self._rope(positions)
         masks = {
-            s: canvas_mask(cache.cached_positions(s), prefix_length, L, self.config.sliding_window if s else None)
+            s: canvas_mask(cache.cached_positions(s, rows), prefix_length, L, self.config.sliding_window if s else None)
             for s in (False, True)
         }
 
-        soft = None
+        soft = soft_embedding
         if self_conditioning_logits is not None:
             soft = self.soft_embedding(self_conditioning_logits)
-            if self_conditioning_mask is not None:
-                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        if soft is not None and self_conditioning_mask is not None:
+            soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            n_old = cache.filled(s)
-            x, _, _ = block(x, *rope[s], masks[s], cache.keys[i][:, :, :n_old], cache.values[i][:, :, :n_old])
+            old_k, old_v, _ = cache.view(i, s, rows)
+            x, _, _ = block(x, *rope[s], masks[s], old_k, old_v)
         return x if return_hidden else self.head(x)
 
     # -- checkpoint ---------------------------------------------------------------------------
