@@ -1,0 +1,289 @@
+"""The plain, readable generation loop: the reference that any faster engine must reproduce token for token.
+
+Block diffusion, one canvas of L = `canvas_length` tokens at a time:
+
+    encode(prompt)                                   causal pass, fills the KV cache
+    for each canvas (until every row has an EOS or max_new_tokens are covered):
+        canvas = L uniform random tokens
+        for step in 0 .. max_denoising_steps-1:      (the reference counts these down N..1)
+            logits = denoise(canvas, cache, self-conditioning = previous step's scaled logits)
+            sample / accept / re-noise (dgemma.sampling.sampler_step)
+            stop the row when its argmax canvas is stable and its mean entropy is low
+        commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
+
+Semantics follow transformers' `DiffusionGemmaForBlockDiffusion.generate`: prompts are left-padded and
+positions are column indices (a padded row's tokens sit at later positions, its padding is masked out);
+rows that stopped denoising are frozen but still computed with the batch; a row that produced an EOS
+contributes only padding from then on. Where we differ (documented on `generate`): finished rows do not
+hold the batch back, and the output is cut at `max_new_tokens` instead of at a canvas boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dgemma.config import SamplingConfig
+from dgemma.sampling import (
+    adaptive_stop,
+    new_argmax_history,
+    random_tokens,
+    sampler_step,
+    temperature_schedule,
+)
+
+# on_canvas(canvas_index, new_tokens, finished): new_tokens[b] are row b's tokens committed by this canvas
+# (before its first EOS, within max_new_tokens; [] for a row already finished); finished[b] says the row
+# is done. Concatenating a row's new_tokens over all calls gives GenerationResult.tokens[b].
+OnCanvas = Callable[[int, list[list[int]], list[bool]], None]
+# on_draft(step, argmax_canvas (B, L), entropy (B, L), accepted (B, L) bool), after every denoising step
+# (step counts from 0 in each canvas). Rows that already stopped keep their argmax canvas; their entropy
+# and accepted mask belong to a step whose result was discarded.
+OnDraft = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class CanvasTemplate:
+    """Tokens forced into the output: generated position i of row b holds tokens[b, i] where fixed[b, i].
+
+    Both are (B, W); W may be shorter or longer than a canvas (positions beyond W are free). Fixed
+    positions start with their token, are never re-noised, use none of the entropy budget and are left
+    out of the mean entropy of the stop rule (see dgemma.sampling).
+    """
+
+    fixed: torch.Tensor  # (B, W) bool
+    tokens: torch.Tensor  # (B, W) long, ignored where not fixed
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.Tensor  # (B, N) long, CPU: generated tokens, pad after the first EOS; N <= max_new_tokens
+    tokens: list[list[int]]  # per row: the generated tokens before the first EOS
+    finish_reasons: list[str]  # per row: "stop" (an EOS was generated) or "length" (ran out of max_new_tokens)
+    num_canvases: int  # canvases the batch denoised
+    steps_per_canvas: list[list[int]]  # per row: denoising steps for each canvas the row was still generating
+    tokens_per_forward: list[float]  # per row: the reference's metric, see `generate`
+    time_to_first_canvas_s: float  # from the call until the first canvas was committed
+    elapsed_s: float
+    tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
+    seed: int  # the seed the sampler's generator used
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    *,
+    seed: int | None = None,
+    canvas_template: CanvasTemplate | None = None,
+    on_canvas: OnCanvas | None = None,
+    on_draft: OnDraft | None = None,
+) -> GenerationResult:
+    """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
+
+    `model` follows docs/model-api.md (config.canvas_length, config.vocab_size, new_cache, encode, denoise).
+    Randomness: one torch.Generator on the model's device seeded with `seed`, else `sampling.seed`, else a
+    seed drawn from torch's global RNG (so torch.manual_seed makes the call reproducible); same seed,
+    device and batch -> same tokens. `sampling.fixed_steps` runs exactly max_denoising_steps per canvas.
+
+    tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
+    it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
+    max_new_tokens) divided by the denoiser forward passes it was still generating in (a step counts for
+    a row until its canvas has stopped; rows finished by an EOS count nothing).
+
+    Differences from the reference:
+      * the reference keeps stepping a canvas until rows that already finished (EOS in an earlier
+        canvas) have converged too, although their output is all pad; here such rows never hold the
+        batch back. When one of them would have been the last to converge, the reference runs more
+        steps, so it draws more noise and the later tokens of the other rows differ from ours;
+      * the reference returns whole canvases (ceil(max_new_tokens / L) of them); here the output is cut
+        to max_new_tokens, and a row without an EOS inside that cut finishes with reason "length".
+    """
+    start_time = time.perf_counter()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    device = _device_of(model)
+    batch_size = len(prompts)
+    canvas_length = model.config.canvas_length
+    max_new_tokens = sampling.max_new_tokens
+    max_canvases = math.ceil(max_new_tokens / canvas_length)
+    pad_id = sampling.pad_token_id
+    eos_ids = torch.tensor(sampling.eos_token_ids, dtype=torch.long, device=device)
+    template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
+
+    if seed is None:
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each
+    cache = model.new_cache(batch_size, input_ids.shape[1] + max_canvases * canvas_length)
+    model.encode(input_ids, cache, attention_mask=attention_mask, return_logits=False)
+
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)  # produced an EOS
+    committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS
+    forward_passes = torch.zeros(batch_size, dtype=torch.long, device=device)
+    steps_per_canvas: list[list[int]] = [[] for _ in range(batch_size)]
+    tokens: list[list[int]] = [[] for _ in range(batch_size)]
+    time_to_first_canvas = 0.0
+    for canvas_index in range(max_canvases):
+        fixed, fixed_tokens = _template_slice(template, canvas_index, canvas_length)
+        argmax, steps = denoise_canvas(
+            model, cache, sampling, generator, frozen=finished, fixed=fixed, fixed_tokens=fixed_tokens,
+            on_draft=on_draft,
+        )
+
+        # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
+        is_eos = torch.isin(argmax, eos_ids)  # (B, L)
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly before this position
+        canvas_tokens = argmax.masked_fill(after_eos | finished[:, None], pad_id)
+        was_finished = finished.tolist()
+        finished = finished | is_eos.any(-1)
+        committed.append(canvas_tokens)
+        forward_passes += steps
+
+        # Host-side bookkeeping (this also waits for the device, so the timing below is honest).
+        budget = max_new_tokens - canvas_index * canvas_length  # output columns left for this canvas
+        new_tokens = []
+        for row, (row_tokens, row_steps) in enumerate(zip(canvas_tokens[:, :budget].tolist(), steps.tolist())):
+            if was_finished[row]:
+                new_tokens.append([])
+                continue
+            steps_per_canvas[row].append(row_steps)
+            new = _before_eos(row_tokens, sampling.eos_token_ids)
+            new_tokens.append(new)
+            tokens[row].extend(new)
+        if canvas_index == 0:
+            time_to_first_canvas = time.perf_counter() - start_time
+        last = canvas_index == max_canvases - 1
+        if on_canvas is not None:
+            done = [bool(f) or last for f in finished.tolist()]
+            on_canvas(canvas_index, new_tokens, done)
+        if last or bool(finished.all()):
+            break
+        model.encode(canvas_tokens, cache, return_logits=False)  # extend the cache by the committed canvas
+
+    all_committed = torch.cat(committed, dim=1)  # (B, num_canvases * L)
+    sequences = all_committed[:, :max_new_tokens].cpu()
+    finish_reasons = ["stop" if bool(torch.isin(row, eos_ids.cpu()).any()) else "length" for row in sequences]
+    non_pad = (all_committed != pad_id).sum(-1)
+    tokens_per_forward = [n / f for n, f in zip(non_pad.tolist(), forward_passes.tolist())]
+    elapsed = time.perf_counter() - start_time
+    generated = sum(len(t) + (reason == "stop") for t, reason in zip(tokens, finish_reasons))
+    return GenerationResult(
+        sequences=sequences,
+        tokens=tokens,
+        finish_reasons=finish_reasons,
+        num_canvases=len(committed),
+        steps_per_canvas=steps_per_canvas,
+        tokens_per_forward=tokens_per_forward,
+        time_to_first_canvas_s=time_to_first_canvas,
+        elapsed_s=elapsed,
+        tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
+        seed=seed,
+    )
+
+
+def denoise_canvas(
+    model,
+    cache,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    *,
+    frozen: torch.Tensor,
+    fixed: torch.Tensor | None = None,
+    fixed_tokens: torch.Tensor | None = None,
+    on_draft: OnDraft | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Denoise one canvas at positions cache.length .. cache.length+L-1.
+
+    frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed.
+    Returns (argmax canvas (B, L) long, denoising steps each row ran (B,) long).
+    """
+    batch_size, device = frozen.shape[0], frozen.device
+    shape = (batch_size, model.config.canvas_length)
+    num_steps = sampling.max_denoising_steps
+    canvas = random_tokens(shape, model.config.vocab_size, generator, device)
+    if fixed is not None:
+        canvas = torch.where(fixed, fixed_tokens, canvas)
+    argmax = canvas  # the draft before any step (what the reference starts from, too)
+    done = frozen.clone()  # rows whose canvas has stopped
+    steps = torch.zeros(batch_size, dtype=torch.long, device=device)
+    history = new_argmax_history(sampling.stability_threshold, *shape, device)
+    self_conditioning = None  # no signal at the first step
+    for step_index in range(num_steps):
+        steps += ~done
+        logits = model.denoise(canvas, cache, self_conditioning)  # (B, L, V) fp32
+        self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
+        temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
+        result = sampler_step(logits, temperature, sampling.entropy_bound, generator,
+                              fixed=fixed, fixed_tokens=fixed_tokens)
+        canvas = torch.where(done[:, None], canvas, result.canvas)
+        argmax = torch.where(done[:, None], argmax, result.argmax)
+        stop, history = adaptive_stop(history, argmax, result.entropy, sampling.confidence_threshold, fixed)
+        if not sampling.fixed_steps:
+            done |= stop
+        self_conditioning = logits  # scaled by 1/T in place by sampler_step: the reference's signal
+        if on_draft is not None:
+            on_draft(step_index, argmax, result.entropy, result.accepted)
+        if bool(done.all()):
+            break
+    return argmax, steps
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of any lengths -> input_ids (B, P) long, attention_mask (B, P) bool (False = padding)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = True
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _before_eos(row_tokens: list[int], eos_ids) -> list[int]:
+    for i, token in enumerate(row_tokens):
+        if token in eos_ids:
+            return row_tokens[:i]
+    return row_tokens
+
+
+def _device_of(model) -> torch.device:
+    device = getattr(model, "device", None)
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
+def _check_template(template: CanvasTemplate | None, batch_size: int, vocab_size: int, device):
+    if template is None:
+        return None
+    fixed, fixed_tokens = template.fixed, template.tokens
+    if fixed.dim() != 2 or fixed.shape[0] != batch_size or fixed.shape != fixed_tokens.shape:
+        raise ValueError(f"canvas template must be two (B={batch_size}, W) tensors, got "
+                         f"{tuple(fixed.shape)} and {tuple(fixed_tokens.shape)}")
+    if fixed.dtype != torch.bool:
+        raise ValueError("canvas template `fixed` must be a bool tensor")
+    used = fixed_tokens[fixed]
+    if used.numel() and (used.min() < 0 or used.max() >= vocab_size):
+        raise ValueError(f"canvas template tokens must be in [0, {vocab_size})")
+    return CanvasTemplate(fixed.to(device), fixed_tokens.to(device=device, dtype=torch.long))
+
+
+def _template_slice(template: CanvasTemplate | None, canvas_index: int, canvas_length: int):
+    """The template's (fixed, tokens) for one canvas, each (B, L), or (None, None) if nothing is fixed there."""
+    if template is None:
+        return None, None
+    start = canvas_index * canvas_length
+    fixed = template.fixed[:, start : start + canvas_length]
+    if not bool(fixed.any()):
+        return None, None
+    missing = canvas_length - fixed.shape[1]  # the template ends inside this canvas: the rest is free
+    fixed = torch.nn.functional.pad(fixed, (0, missing), value=False)
+    tokens = torch.nn.functional.pad(template.tokens[:, start : start + canvas_length], (0, missing), value=0)
+    return fixed, tokens

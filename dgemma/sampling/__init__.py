@@ -1,0 +1,29 @@
+"""The entropy-bound denoising sampler as pure tensor functions (no model import)."""
+
+from dgemma.sampling.sampler import (
+    CHUNK_ELEMENTS,
+    StepResult,
+    chunk_rows,
+    entropy_bound_accept,
+    random_tokens,
+    sample_from_probs,
+    sampler_step,
+    temperature_schedule,
+    token_entropy,
+)
+from dgemma.sampling.stopping import adaptive_stop, mean_entropy, new_argmax_history
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "StepResult",
+    "adaptive_stop",
+    "chunk_rows",
+    "entropy_bound_accept",
+    "mean_entropy",
+    "new_argmax_history",
+    "random_tokens",
+    "sample_from_probs",
+    "sampler_step",
+    "temperature_schedule",
+    "token_entropy",
+]

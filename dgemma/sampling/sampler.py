@@ -1,0 +1,146 @@
+"""One denoising step of the entropy-bound sampler, as pure tensor functions.
+
+Shapes: B = batch rows, L = canvas length, V = vocabulary. Logits are the decoder's (B, L, V) fp32 output.
+
+A step (the reference is transformers' `generation_diffusion_gemma.py`; see docs in each function):
+  1. scale the logits by the step's temperature T (linear schedule t_max -> t_min);
+  2. per position: entropy of softmax(logits / T), its argmax, and a sample from it (Gumbel-max);
+  3. accept the lowest-entropy positions while the entropy they add stays within the bound
+     (Ben-Hamu et al., arXiv 2505.24857); every other position is re-noised to a uniform random token.
+The temperature-scaled logits are what the reference feeds back as self-conditioning for the next step,
+so `sampler_step` scales the logits buffer in place and the caller passes that same buffer on.
+
+Randomness comes only from the `torch.Generator` passed in, in a fixed order per step: the sampling noise
+chunk by chunk (see `chunk_rows`), then one (B, L) draw of re-noising tokens. The same seed, device and
+shapes give the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Positions are processed in chunks of about this many logits, so that the temporaries of a step
+# (log-probabilities, probabilities, noise) are a few (chunk, V) buffers instead of more (B, L, V) ones.
+# It is also part of the random stream: a CPU generator fills tensors sequentially, so there the chunk
+# size does not change the samples (tested), but other devices may draw differently per call.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_rows(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """How many positions (rows of V logits) one chunk holds."""
+    return max(1, chunk_elements // vocab_size)
+
+
+def temperature_schedule(step_index: int, num_steps: int, t_min: float, t_max: float) -> float:
+    """Temperature of denoising step `step_index` (0-based: 0 .. num_steps-1) of a canvas.
+
+    The reference counts steps down, n = num_steps .. 1, and uses T_n = t_min + (t_max - t_min) * n / N:
+    t_max at the first step, t_min + (t_max - t_min) / N at the last (t_min itself is never reached).
+    It evaluates this in float32 on a 0-d tensor; we do the same so that logits / T is bit-identical.
+    """
+    steps_left = torch.tensor(num_steps - step_index, dtype=torch.int32)  # n
+    temperature = t_min + (t_max - t_min) * (steps_left / num_steps)  # float32 arithmetic
+    return float(temperature)
+
+
+def token_entropy(scaled_logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax over the last dim: (..., V) -> (...).
+
+    Written as torch.distributions.Categorical computes it (normalise to log-probabilities, softmax of
+    those, clamp -inf), which makes it bit-identical to the reference's entropies.
+    """
+    log_probs, probs = _log_probs_and_probs(scaled_logits)
+    return -(log_probs * probs).sum(-1)
+
+
+def _log_probs_and_probs(scaled_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = scaled_logits - scaled_logits.logsumexp(-1, keepdim=True)
+    probs = torch.softmax(log_probs, dim=-1)
+    # -inf logits (masked tokens) would give 0 * -inf = nan in the entropy; Categorical clamps the same way
+    return log_probs.clamp(min=torch.finfo(log_probs.dtype).min), probs
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` (N, V) -> (N,) long, by the Gumbel-max trick.
+
+    argmax(log p + G) with G = -log(E), E ~ Exponential(1), is a sample from p; written as
+    argmax(p / E) it needs no logarithm ("exponential race"). E is clamped away from 0 so that a
+    zero-probability token can never win through 0 / 0 = nan.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)  # (N, V)
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def random_tokens(shape: tuple[int, ...], vocab_size: int, generator: torch.Generator | None,
+                  device: torch.device | str) -> torch.Tensor:
+    """Uniform random token ids over the whole vocabulary (the canvas noise; there is no [MASK])."""
+    return torch.randint(0, vocab_size, shape, generator=generator, device=device)
+
+
+def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """Which positions to accept this step: entropy (B, L) -> accepted (B, L) bool, per row.
+
+    Sort a row's entropies ascending, H_(1) <= H_(2) <= ...; position (k) is accepted when
+        sum_{i<=k} H_(i) - max_{i<=k} H_(i) = sum_{i<k} H_(i) <= bound,
+    i.e. the largest prefix whose entropy, minus its largest member, stays within the bound (that sum
+    bounds the mutual information between the accepted tokens). The lowest-entropy position always
+    passes (its left side is 0). Evaluated element-wise as cumsum - sorted, exactly as the reference,
+    and ties are ordered by torch.sort's default (unstable) sort, as in the reference, so both pick
+    the same positions when tied entropies straddle the bound.
+    """
+    sorted_entropy, order = torch.sort(entropy, dim=-1)
+    accepted_sorted = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bound
+    return torch.zeros_like(accepted_sorted).scatter(-1, order, accepted_sorted)
+
+
+@dataclass
+class StepResult:
+    canvas: torch.Tensor  # (B, L) long: the next decoder input (accepted samples, the rest re-noised)
+    argmax: torch.Tensor  # (B, L) long: argmax of the scaled logits, the draft that gets committed
+    entropy: torch.Tensor  # (B, L) fp32: entropy of softmax(logits / T); 0 at fixed positions
+    accepted: torch.Tensor  # (B, L) bool: positions whose fresh sample was kept
+
+
+def sampler_step(
+    logits: torch.Tensor,
+    temperature: float,
+    entropy_bound: float,
+    generator: torch.Generator | None,
+    *,
+    fixed: torch.Tensor | None = None,
+    fixed_tokens: torch.Tensor | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> StepResult:
+    """The fused sampler step. logits (B, L, V) fp32 is divided by `temperature` IN PLACE; afterwards
+    it holds the temperature-scaled logits, which are the next step's self-conditioning input.
+
+    Apart from the outputs, only (chunk, V) temporaries are allocated. Canvas templates: `fixed` (B, L)
+    bool marks positions that must hold `fixed_tokens` (B, L) long. They are known, so their entropy
+    counts as 0: they use none of the entropy budget, are always "accepted", are never re-noised, and
+    their argmax/sample is the fixed token. (The self-conditioning logits there stay the model's own.)
+    """
+    B, L, V = logits.shape
+    flat = logits.view(B * L, V)  # a view: in-place scaling below writes into `logits`
+    entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
+    argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    sampled = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    step = chunk_rows(V, chunk_elements)
+    for start in range(0, B * L, step):
+        scaled = flat[start : start + step].div_(temperature)  # (n, V), scaled in place
+        log_probs, probs = _log_probs_and_probs(scaled)
+        entropy[start : start + step] = -(log_probs * probs).sum(-1)
+        argmax[start : start + step] = scaled.argmax(-1)
+        sampled[start : start + step] = sample_from_probs(probs, generator)
+        del log_probs, probs  # free before the next chunk allocates its own
+    entropy, argmax, sampled = entropy.view(B, L), argmax.view(B, L), sampled.view(B, L)
+    noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
+
+    if fixed is not None:
+        entropy = entropy.masked_fill(fixed, 0.0)
+        argmax = torch.where(fixed, fixed_tokens, argmax)
+        sampled = torch.where(fixed, fixed_tokens, sampled)
+    accepted = entropy_bound_accept(entropy, entropy_bound)
+    canvas = torch.where(accepted, sampled, noise)
+    return StepResult(canvas=canvas, argmax=argmax, entropy=entropy, accepted=accepted)
