@@ -1,0 +1,231 @@
+"""The batched generation loop: requests join at canvas boundaries, requests at different denoising steps
+share one forward, finished or cancelled ones leave at once.
+
+Each iteration (`step`):
+  1. admit waiting requests into free cache rows (prefill their prompts) and start their first canvas;
+  2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
+     generator) and stop rule;
+  3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
+     for each; rows that produced EOS or reached max_new_tokens finish and free their row.
+
+Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
+request with seed s yields what `dgemma.generate.generate` yields for that prompt alone with seed s.
+`submit` and `cancel` may be called from other threads; `step` runs on one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from dgemma.config import SamplingConfig
+from dgemma.engine.request import Event, Request, Status
+from dgemma.engine.runner import Runner
+from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine accepts; retry later."""
+
+
+class Engine:
+    def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64):
+        self.model = model
+        self.canvas_length = model.config.canvas_length
+        self.vocab_size = model.config.vocab_size
+        max_length = max_length or min(model.config.max_position_embeddings, 8192)
+        self.runner = Runner(model, max_batch, max_length)
+        self.max_queue = max_queue
+        self.free_rows = list(range(max_batch))
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()  # set when work arrives, for a serving loop that sleeps
+        self.forwards = 0  # decoder forwards run, for benchmarks
+
+    @property
+    def max_length(self) -> int:
+        return self.runner.cache.max_length
+
+    def tokens_needed(self, prompt_len: int, sampling: SamplingConfig) -> int:
+        return prompt_len + math.ceil(sampling.max_new_tokens / self.canvas_length) * self.canvas_length
+
+    # -- requests in and out (any thread) ----------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        need = self.tokens_needed(len(request.prompt), request.sampling)
+        if need > self.max_length:
+            raise ValueError(
+                f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.sampling.max_new_tokens} "
+                f"(rounded up to whole canvases of {self.canvas_length}) needs {need} positions; "
+                f"the engine holds {self.max_length}"
+            )
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(request)
+        self.wakeup.set()
+        return request
+
+    def cancel(self, request: Request):
+        request.cancel_requested = True
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.waiting or self.active)
+
+    # -- the loop (one thread) -----------------------------------------------------------------
+    def step(self):
+        self._drop_cancelled()
+        self._admit()
+        if not self.active:
+            return
+        self._denoise_step()
+
+    def run_until_done(self, requests: list[Request]):
+        while not all(r.done for r in requests):
+            self.step()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int] | None = None,
+                 templates=None, on_event=None) -> list[Request]:
+        """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run."""
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if seeds is not None:
+                seed = seeds[i]
+            elif sampling.seed is not None:
+                seed = sampling.seed + i
+            else:
+                seed = int(torch.randint(0, 2**62, ()).item())
+            fixed, tokens = (templates[i] if templates is not None else (None, None))
+            requests.append(Request(prompt=list(prompt), sampling=sampling, seed=seed, fixed=fixed,
+                                    fixed_tokens=tokens, on_event=on_event))
+        for r in requests:  # the engine's own queue bound does not apply to a direct batch call
+            self.waiting.append(r)
+        self.run_until_done(requests)
+        return requests
+
+    # -- internals -------------------------------------------------------------------------------
+    def _drop_cancelled(self):
+        with self.lock:
+            for r in [r for r in self.waiting if r.cancel_requested]:
+                self.waiting.remove(r)
+                self._finish(r, "cancelled")
+        for r in [r for r in self.active if r.cancel_requested]:
+            self._finish(r, "cancelled")
+
+    def _admit(self):
+        while self.free_rows:
+            with self.lock:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            request.row = self.free_rows.pop(0)
+            request.generator = torch.Generator(device=self.model.device).manual_seed(request.seed)
+            request.status = Status.DENOISING
+            self.runner.prefill(request.row, request.prompt)
+            self.active.append(request)
+            self._start_canvas(request)
+
+    def _start_canvas(self, r: Request):
+        L, device = self.canvas_length, self.model.device
+        r.step_index = 0
+        r.soft = None
+        r.canvas_fixed = r.canvas_fixed_tokens = None
+        if r.fixed is not None:
+            start = r.canvas_index * L
+            fixed = r.fixed[start : start + L]
+            if bool(fixed.any()):
+                pad = L - fixed.shape[0]
+                r.canvas_fixed = torch.nn.functional.pad(fixed, (0, pad), value=False).to(device)[None]
+                r.canvas_fixed_tokens = torch.nn.functional.pad(
+                    r.fixed_tokens[start : start + L], (0, pad), value=0).to(device)[None]
+        canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
+        if r.canvas_fixed is not None:
+            canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
+        r.canvas = canvas[0]
+        r.argmax = r.canvas
+        r.history = new_argmax_history(r.sampling.stability_threshold, 1, L, device)
+
+    def _denoise_step(self):
+        batch = list(self.active)
+        logits = self.runner.denoise([r.row for r in batch], torch.stack([r.canvas for r in batch]),
+                                     [r.soft for r in batch])  # (n, L, V): the one big buffer
+        self.forwards += 1
+        finished_canvases = []
+        for i, r in enumerate(batch):
+            s = r.sampling
+            row_logits = logits[i : i + 1]  # a view: the sampler scales it in place
+            temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
+            result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
+                                  fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens)
+            r.canvas, r.argmax = result.canvas[0], result.argmax[0]
+            stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
+                                            r.canvas_fixed)
+            r.step_index += 1
+            r.forward_passes += 1
+            # next step's self-conditioning: this step's temperature-scaled logits (the sampler scaled
+            # the buffer in place), kept as an embedding so the logits buffer can go
+            r.soft = self.runner.soft_embedding(row_logits[0])
+            if r.want_drafts:
+                r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,
+                             tokens=r.argmax.tolist(), entropy=result.entropy[0].tolist(),
+                             accepted=result.accepted[0].tolist()))
+            if r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps):
+                finished_canvases.append(r)
+        del logits
+        if finished_canvases:
+            self._commit(finished_canvases)
+
+    def _commit(self, requests: list[Request]):
+        continuing_rows, continuing_canvases, continuing = [], [], []
+        for r in requests:
+            s = r.sampling
+            eos = torch.tensor(s.eos_token_ids, device=r.argmax.device)
+            is_eos = torch.isin(r.argmax, eos)
+            after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+            canvas_tokens = r.argmax.masked_fill(after_eos, s.pad_token_id)
+            r.committed_non_pad += int((canvas_tokens != s.pad_token_id).sum())
+            r.steps_per_canvas.append(r.step_index)
+            budget = s.max_new_tokens - r.canvas_index * self.canvas_length
+            row_tokens = canvas_tokens[:budget].tolist()
+            new = row_tokens
+            hit_eos = False
+            for j, t in enumerate(row_tokens):
+                if t in s.eos_token_ids:
+                    new, hit_eos = row_tokens[:j], True
+                    break
+            r.tokens.extend(new)
+            if r.t_first_canvas is None:
+                r.t_first_canvas = time.perf_counter()
+            r.emit(Event("canvas", r.request_id, r.canvas_index, tokens=new))
+            if hit_eos or budget <= self.canvas_length:
+                self._finish(r, "stop" if hit_eos else "length")
+                continue
+            continuing_rows.append(r.row)
+            continuing_canvases.append(canvas_tokens)
+            continuing.append(r)
+        if continuing:
+            self.runner.commit(continuing_rows, torch.stack(continuing_canvases))
+            for r in continuing:
+                r.canvas_index += 1
+                self._start_canvas(r)
+
+    def _finish(self, r: Request, reason: str):
+        r.finish_reason = reason
+        r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
+        r.t_done = time.perf_counter()
+        r.soft = r.canvas = r.history = None
+        if r in self.active:
+            self.active.remove(r)
+        if r.row is not None:
+            self.runner.free([r.row])
+            self.free_rows.append(r.row)
+            r.row = None
+        r.emit(Event("finished", r.request_id, r.canvas_index, finish_reason=reason))

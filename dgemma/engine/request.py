@@ -1,0 +1,94 @@
+"""What the engine knows about one request: inputs, sampler state, output, statistics."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dgemma.config import SamplingConfig
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no cache row yet
+    DENOISING = "denoising"  # holds a row; a canvas is being denoised
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Event:
+    """What a request reports to its owner. kind: "draft" | "canvas" | "finished"."""
+
+    kind: str
+    request_id: str
+    canvas_index: int
+    step: int = 0
+    tokens: list[int] = field(default_factory=list)  # "canvas": new tokens; "draft": the argmax canvas
+    entropy: list[float] | None = None  # "draft": per position
+    accepted: list[bool] | None = None  # "draft": per position
+    finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    sampling: SamplingConfig
+    seed: int
+    fixed: torch.Tensor | None = None  # (W,) bool: canvas template over generated positions
+    fixed_tokens: torch.Tensor | None = None  # (W,) long
+    want_drafts: bool = False
+    on_event: Callable[[Event], None] | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+    # state, owned by the engine
+    status: Status = Status.WAITING
+    row: int | None = None
+    generator: torch.Generator | None = None
+    canvas_index: int = 0
+    step_index: int = 0
+    canvas: torch.Tensor | None = None  # (L,) next decoder input
+    argmax: torch.Tensor | None = None  # (L,) current draft
+    history: torch.Tensor | None = None  # (S, L) recent argmax canvases (stop rule)
+    soft: torch.Tensor | None = None  # (L, H) self-conditioning embedding of the last step, or None
+    canvas_fixed: torch.Tensor | None = None  # (L,) slice of the template for the current canvas
+    canvas_fixed_tokens: torch.Tensor | None = None
+    cancel_requested: bool = False
+
+    # output and statistics
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    steps_per_canvas: list[int] = field(default_factory=list)
+    forward_passes: int = 0
+    committed_non_pad: int = 0
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_canvas: float | None = None
+    t_done: float | None = None
+
+    def emit(self, event: Event):
+        if self.on_event is not None:
+            self.on_event(event)
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.CANCELLED)
+
+    def stats(self) -> dict:
+        elapsed = (self.t_done or time.perf_counter()) - self.t_submit
+        generated = len(self.tokens) + (self.finish_reason == "stop")
+        return {
+            "canvases": len(self.steps_per_canvas),
+            "steps_per_canvas": list(self.steps_per_canvas),
+            "denoising_steps": sum(self.steps_per_canvas),
+            "tokens_per_forward": self.committed_non_pad / self.forward_passes if self.forward_passes else 0.0,
+            "time_to_first_canvas_s": (self.t_first_canvas - self.t_submit) if self.t_first_canvas else None,
+            "elapsed_s": elapsed,
+            "tokens_per_second": generated / elapsed if elapsed > 0 else 0.0,
+        }

@@ -1,0 +1,54 @@
+"""The engine's model-facing half: one preallocated cache, forwards over any subset of its rows."""
+
+from __future__ import annotations
+
+import torch
+
+# Self-conditioning embeddings are made position-chunk by position-chunk from the logits buffer, so the
+# softmax temporaries stay a few (chunk, V) buffers next to the one (B, L, V) logits buffer.
+SOFT_CHUNK_ELEMENTS = 1 << 24
+
+
+class Runner:
+    def __init__(self, model, max_batch: int, max_length: int):
+        self.model = model
+        self.max_batch = max_batch
+        self.cache = model.new_cache(max_batch, max_length)
+        self.hidden_size = model.config.hidden_size
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: list[int]):
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        self.model.encode(ids, self.cache, rows=torch.tensor([row], device=self.device), return_logits=False)
+
+    @torch.no_grad()
+    def commit(self, rows: list[int], canvases: torch.Tensor):
+        """Encode committed canvases (n, L) into their rows' cache."""
+        self.model.encode(canvases, self.cache, rows=torch.tensor(rows, device=self.device), return_logits=False)
+
+    @torch.no_grad()
+    def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
+        """One decoder forward for the given rows: canvases (n, L), softs[i] (L, H) or None -> logits (n, L, V)."""
+        soft = None
+        if any(s is not None for s in softs):  # rows at their first step get an exact zero signal
+            zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
+            soft = torch.stack([zeros if s is None else s for s in softs])
+        return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=torch.tensor(rows, device=self.device))
+
+    @torch.no_grad()
+    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
+        """(L, V) self-conditioning logits -> (L, H), chunked over positions."""
+        L, V = sc_logits.shape
+        out = torch.empty(L, self.hidden_size, dtype=self.model.dtype, device=self.device)
+        step = max(1, SOFT_CHUNK_ELEMENTS // V)
+        for a in range(0, L, step):
+            out[a : a + step] = self.model.soft_embedding(sc_logits[None, a : a + step])[0]
+        return out
+
+    def free(self, rows: list[int]):
+        if rows:
+            self.cache.reset_rows(rows)
