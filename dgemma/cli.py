@@ -37,9 +37,16 @@ def _available() -> dict[str, object]:
     return mods
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (exit code 2), not usage plus error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma in plain PyTorch.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = Parser(prog="dgemma", description="DiffusionGemma in plain PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     for name, module in _available().items():
         p = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
         module.add_arguments(p)
@@ -50,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.config import ConfigError
     from dgemma.model.checkpoint import CheckpointError
+    from dgemma.tokenizer import TokenizerError
 
-    return (UsageError, ConfigError, CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError)
+    return (UsageError, ConfigError, CheckpointError, TokenizerError, FileNotFoundError, IsADirectoryError,
+            PermissionError)
 
 
 def main(argv: list[str] | None = None) -> int:

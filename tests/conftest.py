@@ -68,3 +68,50 @@ def hf_checkpoints(tmp_path_factory):
         model.save_pretrained(folder)
         out[name] = (folder, model)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny model folder with a word-level tokenizer and a chat template, for CLI / server tests.
+# ---------------------------------------------------------------------------------------------
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from "
+         "or had by hot word but what some we can out other were all there when up use your how said an "
+         "each she which do their time if will way about many then them write would like so these her long "
+         "make thing see him two has look more day could go come did number sound no most people my over "
+         "know water than call first who may down side been now find hello world sudoku diffusion").split()
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }} {{ m['content'] }} <end_of_turn> "
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}"
+)
+
+
+def write_tiny_tokenizer(folder):
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "user", "model"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(dict.fromkeys(WORDS)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    for s in specials[:6]:
+        tok.add_special_tokens([s])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
+    return len(vocab)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Random tiny DiffusionGemma (vocab 128, canvas 16, context 256) with a tokenizer, saved by us."""
+    import dgemma
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    config = dgemma.get_preset("tiny").replace(max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(config)
+    model.sampling_config = model.sampling_config.replace(eos_token_ids=(1,), max_denoising_steps=8)
+    model.save_pretrained(folder)
+    assert write_tiny_tokenizer(folder) <= config.vocab_size
+    return folder

@@ -1,0 +1,95 @@
+"""Pieces shared by the commands that load a model and sample from it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_model_arguments(p, *, required: bool = True):
+    p.add_argument("--model", required=required, help="a DiffusionGemma model folder (Hugging Face format)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights and activations (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantisation applied while loading")
+
+
+def add_sampling_arguments(p):
+    g = p.add_argument_group("sampling (defaults from the model's generation_config.json)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 2048 (not capped at a canvas)")
+    g.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
+    g.add_argument("--entropy-bound", type=non_negative_float, default=None)
+    g.add_argument("--t-min", type=non_negative_float, default=None)
+    g.add_argument("--t-max", type=non_negative_float, default=None)
+    g.add_argument("--fixed-steps", action="store_true", help="exactly --steps per canvas, no early stop")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(model, args):
+    return model.sampling_config.replace(
+        max_new_tokens=args.max_new_tokens,
+        max_denoising_steps=args.steps,
+        entropy_bound=args.entropy_bound,
+        t_min=args.t_min,
+        t_max=args.t_max,
+        fixed_steps=True if args.fixed_steps else None,
+        seed=args.seed,
+    )
+
+
+def resolve_device_dtype(args):
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from dgemma.cli import UsageError
+
+        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
+    name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    return device, getattr(torch, DTYPES[name])
+
+
+def load_from_args(args):
+    from dgemma.model import load_model
+
+    device, dtype = resolve_device_dtype(args)
+    return load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
+
+
+def read_prompt(text: str | None) -> str:
+    """`-` (or no --prompt with piped input) reads standard input."""
+    from dgemma.cli import UsageError
+
+    if text is None or text == "-":
+        if text is None and sys.stdin.isatty():
+            raise UsageError("give --prompt TEXT, or --prompt - to read standard input")
+        text = sys.stdin.read()
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text

@@ -1,0 +1,156 @@
+"""`dgemma generate`: one prompt in, text streamed out canvas by canvas (or left to right with --ar)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from dgemma.commands._common import (
+    add_model_arguments,
+    add_sampling_arguments,
+    load_from_args,
+    read_prompt,
+    sampling_from_args,
+)
+
+
+def add_arguments(p):
+    add_model_arguments(p)
+    p.add_argument("--prompt", default=None, help="the prompt text; - reads standard input")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--ar", action="store_true", help="decode left to right with the KV cache (AR baseline)")
+    p.add_argument("--show-drafts", action="store_true", help="draw the canvas live while it denoises")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    add_sampling_arguments(p)
+
+
+class TextStream:
+    """Decodes the growing token list and prints only the new text (multi-byte safe)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], ""
+
+    def add(self, tokens: list[int]):
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the next canvas
+            return
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
+class DraftView:
+    """The canvas as coloured tokens: green accepted this step, yellow→red by entropy (rich Live)."""
+
+    def __init__(self, tokenizer, console):
+        from rich.live import Live
+
+        self.tokenizer, self.console = tokenizer, console
+        self.live = Live(console=console, refresh_per_second=12, transient=True)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.live.__exit__(*exc)
+
+    def update(self, event):
+        from rich.text import Text
+
+        text = Text()
+        text.append(f"canvas {event.canvas_index} step {event.step + 1}\n", style="bold")
+        for token, entropy, accepted in zip(event.tokens, event.entropy, event.accepted):
+            piece = self.tokenizer.decode([token], skip_special_tokens=False) or "·"
+            style = "green" if accepted else ("yellow" if entropy < 1.0 else "red")
+            text.append(piece.replace("\n", "⏎"), style=style)
+        self.live.update(text)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def run(args):
+    from dgemma.cli import UsageError
+    from dgemma.engine import Engine, Request
+    from dgemma.tokenizer import Tokenizer
+
+    text = read_prompt(args.prompt)
+    model = load_from_args(args)
+    tokenizer = Tokenizer.from_folder(args.model)
+    sampling = sampling_from_args(model, args)
+    prompt = encode_prompt(tokenizer, text, args.chat)
+    if not prompt:
+        raise UsageError("the prompt encodes to no tokens")
+    context = model.config.max_position_embeddings
+    if len(prompt) >= context:
+        raise UsageError(f"the prompt is {len(prompt)} tokens; the model's context is {context}")
+
+    if args.ar:
+        return _run_ar(args, model, tokenizer, prompt, sampling)
+
+    import rich.console
+
+    canvases = -(-sampling.max_new_tokens // model.config.canvas_length)  # ceil
+    need = len(prompt) + canvases * model.config.canvas_length
+    if need > context:
+        raise UsageError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceed the "
+                         f"model's context of {context}")
+    engine = Engine(model, max_batch=1, max_length=need)
+    stream = TextStream(tokenizer) if not args.json else None
+    console = rich.console.Console(stderr=True)
+    view = DraftView(tokenizer, console) if args.show_drafts and not args.json else None
+
+    def on_event(event):
+        if event.kind == "draft" and view is not None:
+            view.update(event)
+        elif event.kind == "canvas" and stream is not None:
+            if view is not None:
+                view.live.update("")
+            stream.add(event.tokens)
+
+    seed = sampling.seed if sampling.seed is not None else int(time.time_ns() % (2**31))
+    request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event)
+    try:
+        engine.submit(request)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if view is not None:
+        with view:
+            engine.run_until_done([request])
+    else:
+        engine.run_until_done([request])
+    stats = request.stats()
+    if args.json:
+        print(json.dumps({"text": tokenizer.decode(request.tokens), "tokens": request.tokens,
+                          "finish_reason": request.finish_reason, "seed": seed, "prompt_tokens": len(prompt),
+                          **stats}))
+    else:
+        print()
+        print(f"[{len(request.tokens)} tokens, {stats['canvases']} canvases, steps {stats['steps_per_canvas']}, "
+              f"{stats['tokens_per_forward']:.1f} tokens/forward, {stats['tokens_per_second']:.1f} tokens/s, "
+              f"finish: {request.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _run_ar(args, model, tokenizer, prompt, sampling):
+    from dgemma.ar import generate_ar
+
+    start = time.perf_counter()
+    tokens = generate_ar(model, [prompt], sampling.max_new_tokens, eos_token_ids=sampling.eos_token_ids,
+                         seed=sampling.seed)[0]
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(tokens)
+    stats = {"tokens_per_second": len(tokens) / elapsed if elapsed else 0.0, "elapsed_s": elapsed,
+             "tokens_per_forward": 1.0}
+    if args.json:
+        print(json.dumps({"text": text, "tokens": tokens, "prompt_tokens": len(prompt), "mode": "ar", **stats}))
+    else:
+        print(text)
+        print(f"[{len(tokens)} tokens left to right, {stats['tokens_per_second']:.1f} tokens/s]", file=sys.stderr)
+    return 0

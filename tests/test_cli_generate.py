@@ -1,0 +1,87 @@
+"""`dgemma generate` end to end on a tiny checkpoint, and its bad-input cases."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def dgemma(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "dgemma", *args], capture_output=True, text=True, input=stdin,
+                          timeout=300)
+
+
+def test_generate_streams_text(tiny_model_dir):
+    proc = dgemma("generate", "--model", str(tiny_model_dir), "--prompt", "hello world", "--max-new-tokens", "40",
+                  "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()  # some words
+    assert "tokens/forward" in proc.stderr and "canvases" in proc.stderr
+
+
+def test_generate_json_is_reproducible(tiny_model_dir):
+    args = ("generate", "--model", str(tiny_model_dir), "--prompt", "the world", "--max-new-tokens", "20",
+            "--seed", "3", "--json", "--steps", "4")
+    first, second = dgemma(*args), dgemma(*args)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out == {**json.loads(second.stdout), "elapsed_s": out["elapsed_s"],
+                   "tokens_per_second": out["tokens_per_second"],
+                   "time_to_first_canvas_s": out["time_to_first_canvas_s"]}
+    assert out["steps_per_canvas"] == [4, 4] and out["canvases"] == 2
+    assert out["finish_reason"] in ("stop", "length") and len(out["tokens"]) <= 20
+
+
+def test_generate_chat_stdin_fixed_steps_and_drafts(tiny_model_dir):
+    proc = dgemma("generate", "--model", str(tiny_model_dir), "--chat", "--prompt", "-", "--fixed-steps",
+                  "--steps", "3", "--show-drafts", "--max-new-tokens", "16", stdin="how are you")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_generate_ar(tiny_model_dir):
+    proc = dgemma("generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--ar", "--json",
+                  "--max-new-tokens", "12", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mode"] == "ar" and len(out["tokens"]) <= 12
+
+
+def test_draft_view_renders_tokens_by_state(tiny_model_dir):
+    from rich.console import Console
+
+    from dgemma.commands.generate import DraftView
+    from dgemma.engine import Event
+    from dgemma.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(tiny_model_dir)
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120, color_system="truecolor")
+    ids = tok.encode("hello world", add_special_tokens=False)
+    with DraftView(tok, console) as view:
+        view.update(Event("draft", "r", 0, step=2, tokens=ids, entropy=[0.01, 3.0], accepted=[True, False]))
+        view.live.refresh()
+    out = buf.getvalue()
+    assert "step 3" in out and "hello" in out and "world" in out
+    assert "\x1b[32mhello" in out and "\x1b[31mworld" in out  # accepted green, high entropy red
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/no/such/model", "--prompt", "hi"], "no such model folder"),
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--prompt", "hi", "--steps", "0"], "must be >= 1"),
+    (["--prompt", "hi", "--steps", "many"], "expected a whole number"),
+    (["--prompt", "hi", "--entropy-bound", "-1"], "must be a finite number >= 0"),
+    (["--prompt", "hi", "--t-min", "0.9", "--t-max", "0.5"], "t_min <= t_max"),
+    (["--prompt", " ".join(["hello"] * 300)], "context is 256"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_model_dir, args, message):
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_dir), *args]
+    proc = dgemma("generate", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
