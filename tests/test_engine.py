@@ -20,6 +20,7 @@ def model():
 
 
 def _sampling(**kw):
+    # EOS id 1 for the equality tests; tests that count canvases use an id outside the vocabulary
     base = dict(max_new_tokens=40, eos_token_ids=(1,), max_denoising_steps=6)
     base.update(kw)
     return SamplingConfig(**base)
@@ -57,7 +58,8 @@ def test_engine_canvas_template_and_fixed_steps(model):
 def test_finished_rows_leave_the_batch(model):
     """A request that ends early stops costing forwards: the forward count is the longest request's."""
     engine = Engine(model, max_batch=4)
-    short, long_ = _sampling(max_new_tokens=16), _sampling(max_new_tokens=48)
+    short = _sampling(max_new_tokens=16, eos_token_ids=(999,))
+    long_ = _sampling(max_new_tokens=48, eos_token_ids=(999,))
     rs = [Request(prompt=[5, 6], sampling=short, seed=1), Request(prompt=[7, 8], sampling=long_, seed=2)]
     for r in rs:
         engine.submit(r)
@@ -71,7 +73,7 @@ def test_finished_rows_leave_the_batch(model):
 
 def test_streaming_events_and_drafts(model):
     events = []
-    r = Request(prompt=[5, 6], sampling=_sampling(max_new_tokens=32), seed=3, want_drafts=True,
+    r = Request(prompt=[5, 6], sampling=_sampling(max_new_tokens=32, eos_token_ids=(999,)), seed=3, want_drafts=True,
                 on_event=events.append)
     engine = Engine(model, max_batch=2)
     engine.submit(r)
@@ -85,7 +87,7 @@ def test_streaming_events_and_drafts(model):
 
 def test_cancel_and_queue_bound(model):
     engine = Engine(model, max_batch=1, max_queue=2)
-    s = _sampling(max_new_tokens=64)
+    s = _sampling(max_new_tokens=64, eos_token_ids=(999,))
     a, b = Request(prompt=[5], sampling=s, seed=1), Request(prompt=[6], sampling=s, seed=2)
     engine.submit(a)
     engine.submit(b)

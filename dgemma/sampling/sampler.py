@@ -66,11 +66,13 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     """One token per row of `probs` (N, V) -> (N,) long, by the Gumbel-max trick.
 
     argmax(log p + G) with G = -log(E), E ~ Exponential(1), is a sample from p; written as
-    argmax(p / E) it needs no logarithm ("exponential race"). E is clamped away from 0 so that a
-    zero-probability token can never win through 0 / 0 = nan.
+    argmax(p / E) it needs no logarithm of p ("exponential race"). E is made as -log(1 - U) from
+    uniforms, which on CPU is several times faster than torch's exponential_, and clamped away from 0
+    so that a zero-probability token can never win through 0 / 0 = nan.
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)  # (N, V)
-    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+    noise = torch.empty_like(probs).uniform_(generator=generator)  # U in [0, 1)
+    noise = noise.neg_().log1p_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)  # E = -log(1 - U)
+    return (probs / noise).argmax(-1)
 
 
 def random_tokens(shape: tuple[int, ...], vocab_size: int, generator: torch.Generator | None,
