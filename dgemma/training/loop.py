@@ -1,0 +1,344 @@
+"""`train(TrainConfig)`: the whole training run as one visible loop.
+
+    setup  -> architecture (cheap) -> data (every line checked) -> weights -> what learns -> FSDP -> AdamW
+    resume -> latest complete checkpoint: weights, optimizer, RNG, step (= data position)
+    loop   -> per step: micro-batches (gradient accumulation) -> clip -> AdamW at lr(step) -> log -> checkpoint
+
+Global batch G = processes x micro-batch x accumulation. Step s reads stream positions s*G .. s*G+G-1
+(process r takes its own contiguous slice), so the examples, their noise and the learning rate depend on
+(seed, step) alone: 1 or N processes, any micro-batch, killed and resumed or not, see the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dgemma.config import ConfigError
+from dgemma.training import distributed as D
+from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl
+from dgemma.training.lora import DEFAULT_TARGETS
+from dgemma.training.model_setup import (
+    build_model,
+    configure_trainable,
+    make_exporter,
+    resolve_model_config,
+)
+from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
+from dgemma.training.progress import MetricsLog, Progress, plot_loss
+from dgemma.training.state import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    remove_partial_writes,
+    save_checkpoint,
+)
+
+
+@dataclass
+class TrainConfig:
+    data: str  # JSONL file
+    out: str  # run folder: checkpoints/, model/, metrics.jsonl, loss.png
+    model: str | None = None  # a Hugging Face folder to fine-tune ...
+    init: str | None = None  # ... or "preset:NAME" / a config JSON to train from scratch
+    model_overrides: dict = field(default_factory=dict)  # ModelConfig fields for --init (vocab_size=16, ...)
+    tokenizer: str | None = None  # folder with tokenizer.json (default: the --model folder)
+    chat_template: bool = True  # render prompt/response records with the chat template when there is one
+    objective: str = "diffusion"  # "diffusion" (DiffusionGemma) or "ar" (the autoregressive baseline)
+    steps: int = 1000
+    batch_size: int = 8  # global: examples per optimizer step, over all processes
+    micro_batch_size: int | None = None  # per process and forward pass (default: all of its share)
+    lr: float = 1.5e-4
+    min_lr: float | None = None  # end of the cosine (default lr / 10)
+    warmup_steps: int = 100
+    weight_decay: float = 1e-4  # matrices only; norms and scales are not decayed
+    betas: tuple[float, float] = (0.95, 0.99)
+    grad_clip: float = 1.0  # max global gradient norm (0: off)
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights and optimizer)
+    seed: int = 0
+    noise_eps: float = 1e-3  # t ~ U(noise_eps, 1)
+    self_cond_prob: float = 0.5
+    encoder_loss_weight: float = 1.0
+    train_router: bool = False
+    lora: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    lora_dropout: float = 0.0
+    max_length: int | None = None  # longest [prompt ; response ; fill] (default: the model's context)
+    eos_id: int | None = None  # canvas fill token (default: the model's eos_token_id)
+    skip_bad_lines: bool = False
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    resume: bool = False
+    device: str = "auto"
+    progress: bool = True
+
+    # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
+    RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
+                         "micro_batch_size", "device", "skip_bad_lines")
+
+    def as_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def check(self, world_size: int):
+        problems = [
+            (self.objective in ("diffusion", "ar"), f"objective must be 'diffusion' or 'ar', not {self.objective!r}"),
+            (self.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', not {self.precision!r}"),
+            (self.steps >= 1, "--steps must be >= 1"),
+            (self.lr > 0 and (self.min_lr is None or 0 <= self.min_lr <= self.lr), "need lr > 0 and 0 <= min-lr <= lr"),
+            (self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup and grad-clip must be >= 0"),
+            (0 < self.noise_eps < 1, "noise-eps must be in (0, 1)"),
+            (0 <= self.self_cond_prob <= 1, "self-cond-prob must be in [0, 1]"),
+            (self.save_every >= 1 and self.log_every >= 1, "save-every and log-every must be >= 1"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise ConfigError(message)
+        if self.batch_size < world_size or self.batch_size % world_size:
+            raise ConfigError(f"--batch-size {self.batch_size} is not a multiple of the {world_size} processes")
+        share = self.batch_size // world_size
+        if self.micro_batch_size is not None and (self.micro_batch_size < 1 or share % self.micro_batch_size):
+            raise ConfigError(f"--micro-batch-size {self.micro_batch_size} does not divide the per-process "
+                              f"batch of {share} (--batch-size {self.batch_size} over {world_size} processes)")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float  # the last logged (window-mean) loss
+    model_dir: Path  # the exported Hugging Face folder
+    metrics: list[dict]
+    seconds: float
+    steps_per_s: float
+
+
+def learning_rate(step: int, *, peak: float, floor: float, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then a cosine from `peak` down to `floor` at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def _optimizer(model, config: TrainConfig) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=tuple(config.betas), eps=1e-8)
+
+
+def _check_resume(config: TrainConfig, saved: dict, where: Path):
+    now = config.as_json()
+    changed = [k for k in now if k not in TrainConfig.RESUMABLE_CHANGES and now[k] != saved.get(k)]
+    if changed:
+        diff = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise ConfigError(f"--resume: the run in {where} was started with other settings ({diff})")
+
+
+def _tokenizer(config: TrainConfig):
+    folder = config.tokenizer or config.model
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+        if config.tokenizer:
+            raise ConfigError(f"{config.tokenizer}: no tokenizer.json")
+        return None, None
+    from dgemma.tokenizer import Tokenizer, TokenizerError
+
+    try:
+        return TextEncoder(Tokenizer.from_folder(folder), config.chat_template), folder
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+
+
+def publish(checkpoint_model: Path, target: Path):
+    """OUT/model: hard links to the final checkpoint's files (a copy where links are impossible), atomic."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in checkpoint_model.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(tmp, target)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or resume) a training run; every process of a torchrun job calls this."""
+    env = D.setup(config.device)
+    try:
+        return _train(config, env)
+    finally:
+        D.teardown(env)
+
+
+def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
+    config.check(env.world_size)
+    out = Path(config.out)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if env.is_main else (lambda *a: None)
+
+    # -- resume or fresh -------------------------------------------------------------------------
+    latest = latest_checkpoint(out)
+    if latest is not None and not config.resume:
+        raise ConfigError(f"{out} already holds checkpoints (latest {latest.name}); "
+                          "pass --resume to continue that run, or choose another --out")
+    saved = read_trainer_state(latest) if latest is not None else None
+    if saved is not None:
+        _check_resume(config, saved["config"], out)
+    elif config.resume:
+        say(f"note: no checkpoint in {out}; starting from step 0")
+
+    # -- architecture, then every data line checked, before any weight is loaded ---------------
+    model_config = resolve_model_config(config.model, config.init, config.model_overrides)
+    L, V = model_config.canvas_length, model_config.vocab_size
+    eos_id = config.eos_id if config.eos_id is not None else model_config.eos_token_id
+    if not 0 <= eos_id < V:
+        raise ConfigError(f"eos id {eos_id} is outside the vocabulary 0..{V - 1}")
+    max_length = config.max_length or model_config.max_position_embeddings
+    if max_length > model_config.max_position_embeddings:
+        raise ConfigError(f"--max-length {max_length} exceeds the model's context of "
+                          f"{model_config.max_position_embeddings}")
+    text, tokenizer_dir = _tokenizer(config)
+    dataset = load_jsonl(config.data, vocab_size=V, canvas_length=L, max_length=max_length, text=text,
+                         skip_bad_lines=config.skip_bad_lines)
+
+    # -- weights, what learns, sharding, optimizer -----------------------------------------------
+    torch.manual_seed(config.seed)
+    # a LoRA base never learns: under bf16 it is held in bf16 (half the memory); adapters stay fp32
+    base_dtype = torch.bfloat16 if config.lora and config.precision == "bf16" else torch.float32
+    model = build_model(config.model, model_config, config.seed, eos_id, base_dtype)
+    lora = (dict(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
+                 dropout=config.lora_dropout) if config.lora else None)
+    trainable = configure_trainable(model, objective=config.objective, lora=lora, train_router=config.train_router)
+    export = make_exporter(model, lora_scale=config.lora_alpha / config.lora_rank if config.lora else None,
+                           tokenizer_dir=tokenizer_dir)
+    model.to(env.device).train()
+    if env.distributed:
+        D.shard(model)
+    optimizer = _optimizer(model, config)
+    say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
+        f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
+        f"{env.world_size} process(es) on {env.device.type}")
+
+    if env.is_main and importlib.util.find_spec("matplotlib") is None:
+        say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start_step = 0
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(out)
+    if saved is not None:
+        load_checkpoint(latest, env=env, model=model, optimizer=optimizer, lora=config.lora)
+        start_step = saved["step"]
+        say(f"resumed from {latest} (step {start_step})")
+    if env.is_main:
+        metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
+    D.barrier(env)
+
+    G, W = config.batch_size, env.world_size
+    share = G // W
+    micro = config.micro_batch_size or share
+    floor = config.min_lr if config.min_lr is not None else config.lr / 10
+    stream = ExampleStream(len(dataset), config.seed)
+    autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
+    cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    progress = Progress(config.steps, start_step, enabled=config.progress and env.is_main)
+    window = torch.zeros(4, dtype=torch.float64)  # summed over the log window: loss, diffusion, ar, tokens
+    window_steps, window_t0, t0 = 0, time.perf_counter(), time.perf_counter()
+    last_loss = float("nan")
+    try:
+        for step in range(start_step, config.steps):
+            lr = learning_rate(step, peak=config.lr, floor=floor, warmup=config.warmup_steps, total=config.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            sums = torch.zeros(4, dtype=torch.float64)
+            for a in range(share // micro):
+                first = step * G + env.rank * share + a * micro
+                positions = list(range(first, first + micro))
+                batch = collate([dataset[stream.index(n)] for n in positions], positions, canvas_length=L,
+                                pad_id=model_config.pad_token_id, eos_id=eos_id)
+                noise = None
+                if config.objective == "diffusion":
+                    noise = draw_noise(batch, run_seed=config.seed, canvas_length=L, vocab_size=V,
+                                       eps=config.noise_eps, self_cond_prob=config.self_cond_prob)
+                batch = batch.to(env.device)
+                D.set_gradient_sync(model, env, a == share // micro - 1)
+                with autocast:
+                    if noise is not None:
+                        losses = diffusion_losses(model, batch, noise, encoder_loss_weight=config.encoder_loss_weight,
+                                                  cache_dtype=cache_dtype, lockstep=env.distributed)
+                    else:
+                        losses = ar_losses(model, batch, cache_dtype=cache_dtype)
+                # FSDP averages gradients over W processes: scale so the result is the mean over G examples
+                (losses.total.sum() * (W / G)).backward()
+                parts = [float(x.detach().sum()) for x in (losses.total, losses.diffusion, losses.ar)]
+                sums += torch.tensor([*parts, batch.num_tokens], dtype=torch.float64)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            sums = D.all_reduce_sum(sums, env)
+            window += sums
+            window_steps += 1
+            done = step + 1
+            if done % config.log_every == 0 or done == config.steps:
+                seconds = time.perf_counter() - window_t0
+                record = {
+                    "step": done, "loss": float(window[0] / (G * window_steps)),
+                    "diffusion_loss": float(window[1] / (G * window_steps)),
+                    "ar_loss": float(window[2] / (G * window_steps)), "lr": lr,
+                    "grad_norm": D.as_float(grad_norm), "tokens": int(window[3]),
+                    "tokens_per_s": float(window[3]) / max(seconds, 1e-9), "samples": done * G,
+                    "elapsed_s": round(time.perf_counter() - t0, 3),
+                }
+                last_loss = record["loss"]
+                if env.is_main:
+                    metrics.append(record)
+                    progress.update(record)
+                window.zero_()
+                window_steps, window_t0 = 0, time.perf_counter()
+            else:
+                progress.advance(done)
+            if done % config.save_every == 0 or done == config.steps:
+                save_started = time.perf_counter()
+                trainer_state = {"step": done, "samples_seen": done * G, "config": config.as_json(),
+                                 "loss": last_loss}
+                save_checkpoint(out, done, env=env, model=model, optimizer=optimizer,
+                                trainer_state=trainer_state, export=export, lora=config.lora,
+                                keep=config.keep_checkpoints)
+                if env.is_main:
+                    plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
+                window_t0 += time.perf_counter() - save_started  # tokens/s counts training time only
+    finally:
+        progress.close()
+
+    seconds = time.perf_counter() - t0
+    if env.is_main:  # the last step always writes a checkpoint
+        publish(checkpoint_dir(out, config.steps) / "model", out / "model")
+        plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
+        say(f"done: {out / 'model'}")
+    D.barrier(env)
+    records = metrics.read() if env.is_main else []
+    if records:
+        last_loss = records[-1]["loss"]
+    ran = config.steps - start_step
+    return TrainResult(config.steps, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))

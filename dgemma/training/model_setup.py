@@ -1,0 +1,137 @@
+"""Which network a run trains, which of its weights learn, and how it is exported.
+
+Sources: `--model DIR` (a Hugging Face folder: fine-tuning) or `--init preset:NAME | config.json` (random
+init, seeded), with field overrides such as vocab_size=16 or hidden_size=128 for models trained here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from itertools import cycle, islice
+from pathlib import Path
+
+import torch
+
+from dgemma.config import FULL, ConfigError, ModelConfig, SamplingConfig, get_preset
+from dgemma.training.lora import apply_lora, merge_lora_state
+
+MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """"key=value" -> (key, value); the value is read as JSON when it parses (numbers, lists), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def apply_overrides(base: ModelConfig, overrides: dict) -> ModelConfig:
+    unknown = sorted(set(overrides) - MODEL_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown model field(s) {', '.join(unknown)}; known: {', '.join(sorted(MODEL_FIELDS))}")
+    overrides = dict(overrides)
+    n = overrides.get("num_layers", base.num_layers)
+    if n != base.num_layers and "layer_types" not in overrides:
+        # repeat the base pattern over the new depth; the last layer is always full attention
+        pattern = list(islice(cycle(base.layer_types), n))
+        overrides["layer_types"] = tuple(pattern[:-1] + [FULL]) if n else ()
+    try:
+        return base.replace(**overrides)
+    except TypeError as e:
+        raise ConfigError(f"bad model override: {e}") from None
+
+
+def config_from_init(init: str, overrides: dict) -> ModelConfig:
+    """"preset:NAME" or a JSON file: a Hugging Face config.json, or flat ModelConfig fields (with an optional
+    "preset" key as the base)."""
+    if init.startswith("preset:"):
+        return apply_overrides(get_preset(init.removeprefix("preset:")), overrides)
+    path = Path(init)
+    if not path.is_file():
+        raise ConfigError(f"--init expects preset:NAME or a config JSON file; {init!r} is neither")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    if "text_config" in raw or "model_type" in raw:
+        return apply_overrides(ModelConfig.from_hf_dict(raw), overrides)
+    preset = raw.pop("preset", None)
+    base = get_preset(preset) if preset else ModelConfig()
+    return apply_overrides(base, {**raw, **overrides})
+
+
+def resolve_model_config(model_dir: str | None, init: str | None, overrides: dict) -> ModelConfig:
+    """The architecture, read cheaply (no weights) so data can be checked before anything heavy."""
+    if (model_dir is None) == (init is None):
+        raise ConfigError("give exactly one of --model DIR (fine-tune) or --init preset:NAME|config.json "
+                          "(from scratch)")
+    if model_dir is not None:
+        if overrides:
+            raise ConfigError("model field overrides (--set, --vocab-size) only apply with --init")
+        from dgemma.model.checkpoint import read_config
+
+        return ModelConfig.from_hf_dict(read_config(Path(model_dir)))
+    return config_from_init(init, overrides)
+
+
+def build_model(model_dir: str | None, config: ModelConfig, seed: int, eos_id: int,
+                dtype: torch.dtype = torch.float32):
+    """Load the folder, or build and seed-initialise a fresh network, on the CPU in `dtype` (fp32 for
+    weights that learn; a frozen LoRA base may be bf16)."""
+    from dgemma.model import DiffusionGemma, load_model
+
+    if model_dir is not None:
+        return load_model(model_dir, dtype=dtype)
+    with torch.device("meta"):
+        model = DiffusionGemma(config, SamplingConfig(eos_token_ids=(eos_id,), pad_token_id=config.pad_token_id))
+    model.to_empty(device="cpu")
+    model.reset_parameters(seed=seed)
+    return model.to(dtype)
+
+
+def configure_trainable(model, *, objective: str, lora: dict | None, train_router: bool) -> int:
+    """Choose what learns; returns the number of trainable parameters.
+
+    Full training: everything but the routers (frozen unless asked). LoRA: only the adapters. The
+    autoregressive baseline never runs the decoder, so its self-conditioning block stays frozen.
+    """
+    if lora is not None:
+        apply_lora(model, **lora)
+    else:
+        model.requires_grad_(True)
+        if not train_router:
+            for block in model.layers:
+                block.router.requires_grad_(False)
+    if objective == "ar":
+        model.self_conditioning.requires_grad_(False)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if n == 0:
+        raise ConfigError("nothing to train: every parameter is frozen")
+    return n
+
+
+def make_exporter(model, *, lora_scale: float | None, tokenizer_dir: str | None):
+    """export(full_state, folder): a Hugging Face folder from a full (unsharded) state dict, LoRA merged."""
+    from dgemma.model import DiffusionGemma
+
+    config, sampling = model.config, model.sampling_config
+    hf_config, hf_generation = model.hf_config, model.hf_generation_config
+    source = tokenizer_dir or getattr(model, "source_dir", None)
+
+    def export(full_state: dict[str, torch.Tensor], folder: Path):
+        state = merge_lora_state(full_state, lora_scale) if lora_scale is not None else full_state
+        with torch.device("meta"):
+            plain = DiffusionGemma(config, sampling)
+        plain.load_state_dict(state, assign=True, strict=True)
+        plain.hf_config, plain.hf_generation_config = hf_config, hf_generation
+        plain.source_dir = source  # tokenizer files are copied from here
+        plain.save_pretrained(folder)
+
+    return export

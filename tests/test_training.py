@@ -1,0 +1,331 @@
+"""Training, in process: the objective against a by-hand computation, data handling and its errors,
+training from scratch (diffusion and the AR baseline), LoRA merge, and the exported checkpoint in
+transformers. Kill/resume and multi-process runs are in test_training_resume.py / _distributed.py.
+
+    .venv/bin/python -m pytest tests/test_training.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dgemma
+from dgemma.cli import main as cli_main
+from dgemma.config import ConfigError
+from dgemma.training import TrainConfig, learning_rate, train
+from dgemma.training.data import DataError, Example, TextEncoder, collate, load_jsonl
+from dgemma.training.lora import apply_lora
+from dgemma.training.objective import diffusion_losses, draw_noise
+
+# The synthetic task: reverse 3..6 "digits" (ids 4..15) between BOS (2) and a separator (3).
+# vocab 16, canvas 8: every response is one canvas, EOS-filled (eos 1).
+TASK_MODEL = dict(vocab_size=16, hidden_size=32, num_layers=2, canvas_length=8)
+
+
+def reversal_records(n: int, seed: int = 0) -> list[dict]:
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        digits = [r.randint(4, 15) for _ in range(r.randint(3, 6))]
+        out.append({"prompt_ids": [2] + digits + [3], "response_ids": digits[::-1]})
+    return out
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def task_config(tmp_path, name: str, **changes) -> TrainConfig:
+    data = tmp_path / "task.jsonl"
+    if not data.exists():
+        write_jsonl(data, reversal_records(512))
+    base = dict(data=str(data), out=str(tmp_path / name), init="preset:tiny", model_overrides=dict(TASK_MODEL),
+                steps=300, batch_size=16, lr=3e-3, warmup_steps=20, log_every=25, save_every=300, progress=False)
+    return TrainConfig(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def scratch_run(tmp_path_factory):
+    """A tiny DiffusionGemma trained from scratch on the reversal task (shared by several tests)."""
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("scratch")
+    return tmp, train(task_config(tmp, "diffusion"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+# ---------------------------------------------------------------------------------------------
+def test_collate_fills_the_response_with_eos_to_a_canvas_boundary():
+    examples = [Example([2, 5, 6], [7, 8, 9, 10, 11]), Example([2], [7, 8, 9, 10]), Example([2, 5], [])]
+    b = collate(examples, [0, 1, 2], canvas_length=4, pad_id=0, eos_id=1)
+    assert b.input_ids[0].tolist() == [2, 5, 6, 7, 8, 9, 10, 11, 1, 1, 1]  # 5 tokens -> 2 canvases of 4
+    assert b.input_ids[1].tolist() == [2, 7, 8, 9, 10] + [0] * 6  # a whole canvas: no fill, then padding
+    assert b.input_ids[2].tolist() == [2, 5, 1, 1, 1, 1] + [0] * 5  # empty answer: one canvas of EOS
+    assert b.num_canvases.tolist() == [2, 1, 1] and b.prompt_length.tolist() == [3, 1, 2]
+    assert b.attention_mask.sum(1).tolist() == [11, 5, 6]
+    # next-token targets: the response and the first fill EOS, nothing in the prompt or the rest of the fill
+    assert b.ar_targets[0].nonzero().squeeze(1).tolist() == [3, 4, 5, 6, 7, 8]
+    assert b.ar_targets[1].nonzero().squeeze(1).tolist() == [1, 2, 3, 4]
+    assert b.ar_targets[2].nonzero().squeeze(1).tolist() == [2]
+
+
+def test_noise_depends_only_on_the_stream_position_and_corrupts_at_rate_t():
+    examples = [Example([2], list(range(3, 3 + 8 * (i % 3 + 1)))) for i in range(400)]
+    batch = collate(examples, list(range(1000, 1400)), canvas_length=8, pad_id=0, eos_id=1)
+    kw = dict(run_seed=7, canvas_length=8, vocab_size=50, eps=1e-3, self_cond_prob=0.5)
+    noise = draw_noise(batch, **kw)
+    half = draw_noise(collate(examples[200:], list(range(1200, 1400)), canvas_length=8, pad_id=0, eos_id=1), **kw)
+    assert torch.equal(noise.replace[200:], half.replace) and torch.equal(noise.t[200:], half.t)
+    assert ((noise.t >= 1e-3) & (noise.t < 1)).all()
+    assert (noise.canvas_index < batch.num_canvases).all() and set(noise.canvas_index.tolist()) == {0, 1, 2}
+    # replaced fraction tracks t: sum of 3200 Bernoulli(t_i); its sd is below sqrt(3200)/2 ~ 28 tokens
+    assert abs(noise.replace.sum().item() - 8 * noise.t.sum().item()) < 5 * 28
+    assert 150 < noise.self_condition.sum().item() < 250  # Binomial(400, 1/2): mean 200, sd 10
+
+
+def test_diffusion_loss_equals_a_by_hand_generation_style_computation():
+    """Batched training (keep-all cache, right padding, prefix_length) vs one example at a time with a
+    generation cache: encode prompt + clean earlier canvases, denoise the noisy canvas twice."""
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()  # window 8, canvas 16, vocab 128
+    r = random.Random(1)
+    examples = [Example([r.randrange(3, 128) for _ in range(p)], [r.randrange(3, 128) for _ in range(n)])
+                for p, n in ((12, 40), (3, 5), (20, 16), (1, 33))]
+    batch = collate(examples, [0, 1, 2, 3], canvas_length=16, pad_id=0, eos_id=1)
+    noise = draw_noise(batch, run_seed=3, canvas_length=16, vocab_size=128, eps=1e-3, self_cond_prob=0.5)
+    noise.canvas_index = torch.tensor([2, 0, 0, 1])  # later canvases for the long answers
+    noise.self_condition = torch.tensor([True, False, True, False])
+    with torch.no_grad():
+        got = diffusion_losses(model, batch, noise)
+        for b, ex in enumerate(examples):
+            row = batch.input_ids[b, : int(batch.attention_mask[b].sum())]
+            start = len(ex.prompt) + 16 * int(noise.canvas_index[b])
+            clean = row[start : start + 16]
+            noisy = torch.where(noise.replace[b], noise.random_tokens[b], clean)
+            cache = model.new_cache(1, 128)
+            model.encode(row[None, :start], cache)
+            logits = model.denoise(noisy[None], cache)
+            if noise.self_condition[b]:
+                logits = model.denoise(noisy[None], cache, logits)
+            diff = F.cross_entropy(logits[0], clean)
+            enc = model.encode(row[None], model.new_cache(1, 128))[0]
+            targets = batch.ar_targets[b, : len(row)].nonzero().squeeze(1)
+            ar = F.cross_entropy(enc[targets - 1], row[targets])
+            assert abs(got.diffusion[b].item() - diff.item()) < 1e-4
+            assert abs(got.ar[b].item() - ar.item()) < 1e-4
+            assert abs(got.total[b].item() - (diff + ar).item()) < 2e-4
+        # without the next-token loss the encoder stops at the last prefix: same diffusion loss
+        alone = diffusion_losses(model, batch, noise, encoder_loss_weight=0.0)
+        assert torch.allclose(alone.diffusion, got.diffusion, atol=1e-5) and not alone.ar.any()
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_the_floor():
+    lr = [learning_rate(s, peak=1.0, floor=0.1, warmup=10, total=110) for s in range(110)]
+    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
+    assert lr[60] == pytest.approx(0.55)  # half-way through the cosine
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:])) and lr[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training from scratch: the loss falls (diffusion and AR baseline); the checkpoint is a real HF one
+# ---------------------------------------------------------------------------------------------
+def test_diffusion_training_from_scratch_lowers_the_loss(scratch_run):
+    tmp, result = scratch_run
+    first, last = result.metrics[0], result.metrics[-1]
+    assert [m["step"] for m in result.metrics] == list(range(25, 301, 25))
+    # at init both parts sit near ln 16 = 2.77; the trained model must be far below
+    assert first["loss"] > 4.5 and last["loss"] < 0.6 * first["loss"]
+    assert last["diffusion_loss"] < 0.6 * first["diffusion_loss"] and last["ar_loss"] < 0.6 * first["ar_loss"]
+    assert (tmp / "diffusion" / "loss.png").stat().st_size > 1000
+    assert (tmp / "diffusion" / "model" / "model.safetensors").is_file()
+
+
+def test_ar_baseline_from_scratch_lowers_the_loss(tmp_path):
+    torch.set_num_threads(1)
+    result = train(task_config(tmp_path, "ar", objective="ar"))
+    first, last = result.metrics[0], result.metrics[-1]
+    assert first["diffusion_loss"] == 0 and last["loss"] == last["ar_loss"]
+    assert first["loss"] > 2.0 and last["loss"] < 0.6 * first["loss"]
+    # the decoder-only self-conditioning block never ran, so it kept its initial weights
+    model = dgemma.load_model(result.model_dir)
+    fresh = dgemma.DiffusionGemma(model.config)
+    fresh.reset_parameters(seed=0)
+    assert torch.equal(model.self_conditioning.gate_proj.weight, fresh.self_conditioning.gate_proj.weight)
+    assert not torch.equal(model.layers[0].mlp.gate_proj.weight, fresh.layers[0].mlp.gate_proj.weight)
+
+
+def test_trained_checkpoint_gives_identical_logits_in_transformers(scratch_run):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    tmp, result = scratch_run
+    ours = dgemma.load_model(result.model_dir)
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(result.model_dir).eval()
+    ids, canvas = torch.randint(0, 16, (2, 9)), torch.randint(0, 16, (2, 8))
+    with torch.no_grad():
+        cache = ours.new_cache(2, 32)
+        ours.encode(ids, cache, return_logits=False)
+        mine = ours.denoise(canvas, cache)
+        theirs = hf(input_ids=ids, decoder_input_ids=canvas).logits
+    assert (mine - theirs).abs().max() <= 1e-4
+    # the router was frozen: identical to a fresh seed-0 init
+    fresh = dgemma.DiffusionGemma(ours.config)
+    fresh.reset_parameters(seed=0)
+    assert torch.equal(ours.layers[1].router.proj.weight, fresh.layers[1].router.proj.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------------------------
+def test_lora_merged_export_equals_the_unmerged_adapter_model(scratch_run, tmp_path):
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    _, base_run = scratch_run
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "experts")
+    config = TrainConfig(data=str(scratch_run[0] / "task.jsonl"), out=str(tmp_path / "lora"),
+                         model=str(base_run.model_dir), lora=True, lora_rank=4, lora_alpha=8, lora_targets=targets,
+                         steps=12, batch_size=8, lr=1e-2, warmup_steps=2, save_every=12, progress=False)
+    train(config)
+    # rebuild the adapter model: the base + the stored, unmerged adapters
+    adapted = dgemma.load_model(base_run.model_dir)
+    apply_lora(adapted, rank=4, alpha=8, targets=targets)
+    adapters = load_file(str(tmp_path / "lora" / "checkpoints" / "step-0000012" / "adapter.safetensors"))
+    assert {n for n, p in adapted.named_parameters() if p.requires_grad} == set(adapters)
+    assert any(n.endswith("lora_down_B") for n in adapters)  # the experts were adapted too
+    assert all(t.abs().max() > 0 for n, t in adapters.items() if n.endswith("_B"))  # B left zero: it trained
+    missing, unexpected = adapted.load_state_dict(adapters, strict=False)
+    assert not unexpected
+    merged = dgemma.load_model(tmp_path / "lora" / "model")
+    base = dgemma.load_model(base_run.model_dir)
+    ids, canvas = torch.randint(0, 16, (3, 10)), torch.randint(0, 16, (3, 8))
+    with torch.no_grad():
+        logits = {}
+        for name, model in (("adapted", adapted.eval()), ("merged", merged), ("base", base)):
+            cache = model.new_cache(3, 32)
+            enc = model.encode(ids, cache)
+            logits[name] = torch.cat([enc, model.denoise(canvas, cache)], dim=1)
+    assert (logits["adapted"] - logits["merged"]).abs().max() <= 1e-4
+    assert (logits["base"] - logits["merged"]).abs().max() > 1e-2  # the adapters changed the model
+
+
+def test_lora_target_that_matches_nothing_fails_before_training(scratch_run, tmp_path):
+    _, base_run = scratch_run
+    config = TrainConfig(data=str(scratch_run[0] / "task.jsonl"), out=str(tmp_path / "x"),
+                         model=str(base_run.model_dir), lora=True, lora_targets=("q_proj", "qkv"), steps=5)
+    with pytest.raises(ConfigError, match="LoRA target 'qkv' matches no module"):
+        train(config)
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: clear errors before training, one line and exit code 2 on the command line
+# ---------------------------------------------------------------------------------------------
+def _load(path, **kw):
+    return load_jsonl(path, vocab_size=16, canvas_length=8, max_length=64, **kw)
+
+
+def test_malformed_lines_are_reported_with_their_line_numbers(tmp_path, capsys):
+    good = reversal_records(3)
+    out_of_vocab = '{"prompt_ids": [2], "response_ids": [99]}'
+    path = write_jsonl(tmp_path / "d.jsonl", [good[0], "{not json", good[1], "", out_of_vocab, '["a list"]', good[2]])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not valid JSON"):
+        _load(path)
+    data = _load(path, skip_bad_lines=True)
+    assert len(data) == 3 and list(data.lines) == [1, 3, 7]
+    err = capsys.readouterr().err
+    assert "skipped 3 bad line(s)" in err and "line 6: expected a JSON object" in err
+    assert "line 5: response_ids holds token id 99 outside the vocabulary 0..15" in err
+
+
+def test_empty_data_too_long_responses_and_text_without_tokenizer_are_errors(tmp_path):
+    with pytest.raises(DataError, match="no usable examples"):
+        _load(write_jsonl(tmp_path / "empty.jsonl", ["", "  "]))
+    long = {"prompt_ids": [2] * 10, "response_ids": [5] * 60}  # 10 + 8 canvases of 8 = 74 > 64
+    with pytest.raises(DataError, match=r"long\.jsonl:1: prompt \(10 tokens\) \+ response \(60 tokens.* = 74 tokens "
+                                        r"exceeds the context of 64"):
+        _load(write_jsonl(tmp_path / "long.jsonl", [long]))
+    with pytest.raises(DataError, match=r"text\.jsonl:1: a text record needs a tokenizer"):
+        _load(write_jsonl(tmp_path / "text.jsonl", [{"prompt": "hi", "response": "there"}]))
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: the last message must have role 'assistant'"):
+        _load(write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]))
+
+
+def _cli(tmp_path, *extra):
+    data = tmp_path / "task.jsonl"
+    if not data.exists():
+        write_jsonl(data, reversal_records(32))
+    args = ["train", "--init", "preset:tiny", "--vocab-size", "16", "--set", "hidden_size=32", "--set", "num_layers=2",
+            "--set", "canvas_length=8", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "2",
+            "--batch-size", "4", "--no-progress", *extra]
+    return cli_main(args)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora", "--lora-targets", "nothing_here"], "LoRA target 'nothing_here' matches no module"),
+    (["--set", "hidden_sise=8"], "unknown model field(s) hidden_sise"),
+    (["--batch-size", "6", "--micro-batch-size", "4"], "--micro-batch-size 4 does not divide"),
+    (["--eos-id", "40"], "eos id 40 is outside the vocabulary"),
+])
+def test_cli_reports_bad_settings_in_one_line_with_exit_code_2(tmp_path, capsys, extra, message):
+    assert _cli(tmp_path, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dgemma train: error: ") and message in err
+
+
+def test_cli_refuses_to_overwrite_a_run_and_to_resume_with_other_settings(tmp_path, capsys):
+    assert _cli(tmp_path) == 0
+    assert _cli(tmp_path) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert _cli(tmp_path, "--resume", "--lr", "1e-3") == 2
+    assert "lr: 0.00015 -> 0.001" in capsys.readouterr().err
+    assert _cli(tmp_path, "--resume") == 0  # the finished run: nothing left to do, the model is in place
+    assert dgemma.load_model(tmp_path / "run" / "model").config.vocab_size == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Text data through the tokenizer and its chat template (a tiny tokenizer made here), bf16
+# ---------------------------------------------------------------------------------------------
+def make_tokenizer_folder(folder):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "user", "model", "\n", " "] + \
+            "the sky is blue why red green grass what colour".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r" |\n"), behavior="isolated")  # words, spaces, newlines
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    return folder
+
+
+def test_text_and_chat_records_train_with_the_chat_template(tmp_path):
+    from dgemma.tokenizer import Tokenizer
+
+    folder = make_tokenizer_folder(tmp_path / "tok")
+    tok = Tokenizer.from_folder(folder)
+    lines = [{"prompt": "why is the sky blue", "response": "the sky is blue"},
+             {"messages": [{"role": "user", "content": "what colour is grass"},
+                           {"role": "assistant", "content": "grass is green"}]}] * 8
+    data = load_jsonl(write_jsonl(tmp_path / "chat.jsonl", lines), vocab_size=32, canvas_length=8, max_length=64,
+                      text=TextEncoder(tok))
+    first = data[0]
+    ids = tok.token_to_id
+    assert first.prompt[0] == ids("<bos>") and first.prompt[-3:] == [ids("<|turn>"), ids("model"), ids("\n")]
+    assert [tok.backend.id_to_token(i) for i in first.response] == \
+        ["the", " ", "sky", " ", "is", " ", "blue", "<turn|>", "\n"]  # the answer ends with the end of turn
+    assert math.isfinite(train(TrainConfig(
+        data=str(tmp_path / "chat.jsonl"), out=str(tmp_path / "run"), init="preset:tiny", tokenizer=str(folder),
+        model_overrides=dict(vocab_size=32, hidden_size=32, num_layers=2, canvas_length=8), steps=3, batch_size=4,
+        save_every=3, precision="bf16", progress=False)).final_loss)
+    assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()  # exported with the tokenizer
