@@ -13,7 +13,12 @@ $(BIN)/dgemma: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
 	touch $(BIN)/dgemma
 
+# The playground test drives Debian's headless chromium; root installs it when it is missing.
 setup: $(BIN)/dgemma
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium (for tests/test_playground.py)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,81 @@
+"""`dgemma serve`: an OpenAI-compatible HTTP server with a playground page, one engine for all requests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from dgemma.commands._common import add_model_arguments, positive_int
+
+
+def add_arguments(p):
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; the chosen port is printed)")
+    p.add_argument("--api-key", default=os.environ.get("DGEMMA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DGEMMA_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="requests denoised together in one forward; the KV cache is allocated for this many")
+    p.add_argument("--max-queue", type=positive_int, default=64,
+                   help="requests allowed to wait for a batch slot; more get HTTP 429 with Retry-After")
+    p.add_argument("--max-length", type=positive_int, default=None,
+                   help="positions per request, prompt plus output (default: the model's context, at most 8192)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, help="larger request bodies get HTTP 413")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level ('info' logs every request)")
+
+
+def run(args):
+    import uvicorn
+
+    from dgemma.cli import UsageError
+    from dgemma.commands._common import load_from_args
+    from dgemma.serving.app import ServerState, create_app
+    from dgemma.serving.codec import make_codec, read_task
+    from dgemma.serving.worker import EngineWorker
+
+    folder = Path(args.model)
+    if not folder.is_dir():
+        raise UsageError(f"no such model folder: {folder}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    try:
+        task = read_task(folder)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    model = load_from_args(args)
+    codec = make_codec(folder, task, model.config.vocab_size)
+    context = model.config.max_position_embeddings
+    if args.max_length is not None and args.max_length > context:
+        raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
+    worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    name = args.served_model_name or folder.resolve().name
+    state = ServerState(worker=worker, codec=codec, model_name=name, sampling=model.sampling_config,
+                        canvas_length=model.config.canvas_length, api_key=args.api_key or None,
+                        max_body_bytes=args.max_body_bytes)
+
+    # Bind and listen before uvicorn starts, so the port is known (--port 0) and clients that connect
+    # early wait in the backlog instead of being refused.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    if args.host not in ("127.0.0.1", "localhost", "::1") and state.api_key is None:
+        print("dgemma serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
+    print(f"dgemma serve: {name} ({codec.task}, batch {args.max_batch}, queue {args.max_queue}) "
+          f"on http://{host}:{port}", flush=True)
+
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

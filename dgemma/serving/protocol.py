@@ -1,0 +1,295 @@
+"""The OpenAI-compatible wire format: request bodies (validated), errors, responses and stream chunks.
+
+Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
+not 1), numbers must be finite and inside the ranges below, and the message names the field.
+OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties, user, ...) are
+accepted and ignored, so existing clients work; fields whose meaning we cannot honour (n > 1, logprobs,
+echo, suffix, tools, a JSON response format) are rejected instead of silently ignored.
+
+Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
+  steps           int 1..1000     most denoising steps per canvas (the model's default otherwise)
+  entropy_bound   float 0..1e6    accept positions until their summed entropy passes this
+  t_min, t_max    float 0.01..100 the temperature schedule, falling from t_max to t_min
+  fixed_steps     bool            exactly `steps` per canvas, no early stop
+  seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
+  stream_options.include_drafts   bool: stream the argmax canvas after every denoising step
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STEPS = 1000
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """Becomes an OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- request bodies ------------------------------------------------------------------------------------
+
+def _strict(tp, **constraints):
+    return Annotated[tp, Field(strict=True, **constraints)]
+
+
+StrictInt = _strict(int)
+StrictBool = _strict(bool)
+StrictStr = _strict(str)
+TokenCount = _strict(int, ge=1)
+Steps = _strict(int, ge=1, le=MAX_STEPS)
+Seed = _strict(int, ge=0, le=2**63 - 1)
+Temperature = _strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
+EntropyBound = _strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+    include_drafts: StrictBool = False  # dgemma: draft chunks while a canvas denoises
+
+
+class _Generation(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    n: StrictInt | None = None
+    response_format: dict | None = None
+    # the diffusion sampler
+    steps: Steps | None = None
+    entropy_bound: EntropyBound | None = None
+    t_min: Temperature | None = None
+    t_max: Temperature | None = None
+    fixed_steps: StrictBool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value):
+        if value is None:
+            return None
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+            raise ValueError("expected a non-empty string or a list of non-empty strings")
+        if len(values) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return values
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, reason) for a field set to something this server cannot do, else None."""
+        if self.n not in (None, 1):
+            return "n", "only n=1 is supported (one choice per request)"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", "only {\"type\": \"text\"} is supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream: true"
+        return None
+
+    @property
+    def include_drafts(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_drafts)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Generation):
+    prompt: Any  # str | [str] | [int] | [[int]], checked by the validator below
+    max_tokens: TokenCount | None = None
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        """One prompt: text, or token ids; a list holding exactly one of either is the same prompt."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("the prompt is empty")
+            return value
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return value
+        if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+            raise ValueError("one prompt per request (send several requests; they are batched)")
+        if value == []:
+            raise ValueError("the prompt is empty")
+        raise ValueError("expected a string or a list of token ids")
+
+    def unsupported(self):
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.logprobs not in (None, 0):
+            return "logprobs", "logprobs are not supported"
+        if self.suffix is not None:
+            return "suffix", "suffix (insertion) is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        return super().unsupported()
+
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Role
+    content: str = ""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        """A string, or a list of {"type": "text", "text": ...} parts (joined); null is empty text."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"only text content parts are supported, got {kind!r}")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("expected a string or a list of text parts")
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage]
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: StrictBool | None = None
+    tools: list | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}, as vLLM
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value):
+        if not value:
+            raise ValueError("messages is empty: send at least one message")
+        return value
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+
+    def unsupported(self):
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.tools:
+            return "tools", "tool calls are not supported by this server"
+        return super().unsupported()
+
+
+def parse(model: type[BaseModel], body: Any):
+    """Validate a decoded JSON body; any problem becomes a 400 that names the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "missing":
+            message = "this field is required"
+        raise bad_request(f"{param}: {message}", param=param) from None
+    problem = request.unsupported()
+    if problem:
+        raise bad_request(f"{problem[0]}: {problem[1]}", param=problem[0])
+    return request
+
+
+# -- responses -----------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ChunkWriter:
+    """Builds the bodies and stream chunks of one request, in the shape of its endpoint.
+
+    Drafts ride in ordinary chunks: the choice has empty text / an empty delta and carries an extra
+    field `dgemma_draft`, so the official client parses them like any chunk (extra fields are kept,
+    readable as `choice.dgemma_draft`) and code that concatenates the text sees nothing.
+    """
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _chunk(self, choice: dict, **extra) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [{"index": 0, **choice}], **extra}
+
+    def first(self) -> dict | None:
+        """Chat streams open with the assistant role; completion streams have no such chunk."""
+        if not self.chat:
+            return None
+        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+
+    def text(self, text: str) -> dict:
+        if self.chat:
+            return self._chunk({"delta": {"content": text}, "finish_reason": None})
+        return self._chunk({"text": text, "logprobs": None, "finish_reason": None})
+
+    def draft(self, draft: dict) -> dict:
+        empty = {"delta": {}} if self.chat else {"text": "", "logprobs": None}
+        return self._chunk({**empty, "finish_reason": None, "dgemma_draft": draft})
+
+    def finish(self, reason: str, stats: dict) -> dict:
+        empty = {"delta": {}} if self.chat else {"text": "", "logprobs": None}
+        return self._chunk({**empty, "finish_reason": reason}, dgemma=stats)
+
+    def usage_chunk(self, counts: dict) -> dict:
+        return {**self._chunk({}), "choices": [], "usage": counts}
+
+    def response(self, text: str, reason: str, counts: dict, stats: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": counts, "dgemma": stats}

@@ -1,0 +1,192 @@
+"""The one engine thread behind the server, and the bridge from its events to asyncio handlers.
+
+The thread steps the engine while any request is waiting or active and sleeps on `engine.wakeup`
+otherwise, so every request shares one loop: new ones join at canvas boundaries, rows at different
+denoising steps share each forward, finished and cancelled ones leave (all engine behaviour).
+
+Each request's events (drafts, committed canvases, the end) arrive on the engine thread and are
+handed to the event loop that submitted it (`call_soon_threadsafe`). Drafts are pictures of a
+canvas in progress: a client that reads slower than the engine steps gets only the newest one,
+so a slow reader costs neither memory nor engine time. Committed canvases are never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dgemma.engine import Engine, Event, QueueFull, Request
+
+log = logging.getLogger("dgemma.serve")
+
+__all__ = ["EngineWorker", "RequestStream", "Failure", "QueueFull"]
+
+
+@dataclass
+class Failure:
+    """The engine failed while this request was in it; the request is gone."""
+
+    message: str
+    kind: str = "error"
+
+
+class RequestStream:
+    """One request's events, consumed by the handler that submitted it (on its event loop)."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self._items: deque[Event | Failure] = deque()
+        self._ready = asyncio.Event()
+
+    def push(self, item: Event | Failure):
+        """Any thread: queue an item for the consumer."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def _deliver(self, item: Event | Failure):
+        if item.kind == "draft" and self._items and self._items[-1].kind == "draft":
+            self._items[-1] = item  # the reader is behind: only the newest draft matters
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def next(self) -> Event | Failure:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+class EngineWorker:
+    def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None):
+        self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length)
+        self.model = model
+        self.engine = Engine(model, **self._engine_args)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_length = self.engine.max_length  # positions per request, prompt and output
+        self._lock = threading.Lock()  # guards `engine` (replaced after a failure) and `_streams`, nothing else
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._recent_seconds: deque[float] = deque(maxlen=32)  # request durations, for Retry-After
+        self.failures = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0):
+        """End the thread; requests still in flight fail with "shutting down" instead of hanging."""
+        self._stopping.set()
+        engine = self.engine
+        if engine is not None:
+            engine.wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.request.on_event = None
+            stream.push(Failure("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- requests (event-loop thread) ------------------------------------------------------------------
+    def submit(self, prompt: list[int], sampling, *, seed: int | None = None, want_drafts: bool = False
+               ) -> RequestStream:
+        """Queue a request; raises QueueFull, or ValueError when it cannot fit the cache."""
+        seed = secrets.randbits(63) if seed is None else seed
+        request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts)
+        stream = RequestStream(request, asyncio.get_running_loop())
+        request.on_event = lambda event: self._on_event(stream, event)
+        # Never hold our lock while the engine takes its own: the engine thread reports events (and so
+        # takes our lock in _on_event) while holding the engine's lock.
+        with self._lock:
+            engine = self.engine
+            self._streams[request.request_id] = stream
+        try:
+            if engine is None or self._stopping.is_set():
+                raise RuntimeError("the engine is not running")
+            engine.submit(request)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            raise
+        return stream
+
+    def cancel(self, stream: RequestStream):
+        """Free the request's row at the next engine step; harmless once it has finished."""
+        engine = self.engine
+        if engine is not None and not stream.request.done:
+            engine.cancel(stream.request)
+
+    def load(self) -> dict:
+        engine = self.engine
+        active, waiting = (len(engine.active), len(engine.waiting)) if engine is not None else (0, 0)
+        return {"active": active, "waiting": waiting, "max_batch": self.max_batch, "max_queue": self.max_queue}
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: the queue ahead, served max_batch at a time."""
+        if not self._recent_seconds:
+            return 1
+        typical = sorted(self._recent_seconds)[len(self._recent_seconds) // 2]
+        rounds = self.load()["waiting"] / self.max_batch
+        return int(min(60, max(1, math.ceil(typical * rounds))))
+
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _on_event(self, stream: RequestStream, event: Event):
+        if event.kind == "finished":
+            with self._lock:
+                self._streams.pop(event.request_id, None)
+            request = stream.request
+            if event.finish_reason != "cancelled":
+                self._recent_seconds.append(time.perf_counter() - request.t_submit)
+        stream.push(event)
+
+    def _run(self):
+        while not self._stopping.is_set():
+            try:
+                self._step_or_wait()
+            except Exception as error:  # e.g. out of memory: fail the requests, not the server
+                self._recover(error)
+
+    def _step_or_wait(self):
+        engine = self.engine
+        # clear before looking, so a submit between the look and the wait still wakes us
+        engine.wakeup.clear()
+        if engine.has_work():
+            engine.step()
+        else:
+            engine.wakeup.wait(timeout=1.0)
+
+    def _recover(self, error: Exception):
+        """Fail every request in flight and start over with a fresh engine (its cache state is suspect)."""
+        self.failures += 1
+        log.error("engine step failed; failing the requests in flight and rebuilding the engine", exc_info=error)
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        error.__traceback__ = None  # the traceback's frames hold the old engine
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self.engine = None  # let the old cache go before the new one is allocated
+            try:
+                self.engine = Engine(self.model, **self._engine_args)
+            except Exception:
+                log.exception("could not rebuild the engine; the server stops taking requests")
+                self._stopping.set()
+        for stream in streams:
+            stream.request.on_event = None  # whatever the old engine still holds stays silent
+            stream.push(Failure(message))

@@ -1,0 +1,122 @@
+"""The server's parts in-process: text assembly with stop strings, the draft queue of a stream, task
+detection, and an engine failure that must fail its requests but not the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.config import SamplingConfig
+from dgemma.engine import Engine, Event
+from dgemma.serving.codec import SudokuCodec, TextAssembler, read_task
+from dgemma.serving.worker import EngineWorker, RequestStream
+
+
+class CharCodec:
+    """Token t is chr(t); token 0 is the first half of a character (decodes to U+FFFD alone)."""
+
+    def decode(self, tokens):
+        text = "".join("\ufffd" if t == 0 else chr(t) for t in tokens)
+        return text.replace("\ufffd" + chr(1), "é")  # 0 followed by 1 completes the character
+
+
+def ids(text):
+    return [ord(c) for c in text]
+
+
+def test_text_arrives_whole_and_stops_at_stop_strings():
+    a = TextAssembler(CharCodec(), stop=["STOP"])
+    assert a.add(ids("hello ST")) == "hello "  # "ST" may begin "STOP": held back
+    assert a.add(ids("ART ")) == "START "  # it did not
+    assert a.add(ids("caf") + [0]) == "caf"  # half a character waits for its other half
+    assert a.add([1] + ids(" and STO")) == "é and "
+    assert a.add(ids("P and more")) == ""  # the stop string completed across canvases
+    assert a.stopped and a.flush() == ""
+
+    b = TextAssembler(CharCodec(), stop=["xy", "zzz"])
+    assert b.add(ids("abz")) == "ab"
+    assert b.flush() == "z"  # the request ended: nothing can complete the stop string any more
+    c = TextAssembler(CharCodec(), stop=[])
+    assert c.add(ids("no stops")) == "no stops" and c.flush() == ""
+
+
+def test_a_slow_reader_gets_the_newest_draft_and_every_canvas():
+    async def main():
+        stream = RequestStream(request=None, loop=asyncio.get_running_loop())
+        for step in range(5):
+            stream.push(Event("draft", "r", 0, step=step))
+        stream.push(Event("canvas", "r", 0, tokens=[1, 2]))
+        stream.push(Event("draft", "r", 1, step=0))
+        stream.push(Event("canvas", "r", 1, tokens=[3]))
+        stream.push(Event("finished", "r", 1, finish_reason="length"))
+        await asyncio.sleep(0)  # let the pushes land before reading
+        got = []
+        while not got or got[-1].kind != "finished":
+            got.append(await stream.next())
+        return [(e.kind, e.canvas_index, e.step) for e in got]
+
+    assert asyncio.run(main()) == [("draft", 0, 4), ("canvas", 0, 0), ("draft", 1, 0), ("canvas", 1, 0),
+                                   ("finished", 1, 0)]
+
+
+def test_task_detection(tmp_path):
+    assert read_task(tmp_path) == "text"
+    (tmp_path / "dgemma_task.json").write_text(json.dumps({"task": "sudoku"}))
+    assert read_task(tmp_path) == "sudoku"
+    (tmp_path / "dgemma_task.json").write_text(json.dumps({"task": "chess"}))
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
+        read_task(tmp_path)
+    (tmp_path / "dgemma_task.json").write_text("[1]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        read_task(tmp_path)
+
+
+def test_sudoku_answers_are_81_cells():
+    codec = SudokuCodec()
+    assert codec.decode([4, 5, 3, 13]) == "12" + "." * 79  # BLANK and unused ids are blank cells
+    solution = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+    puzzle = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+    prompt = codec.encode_text(puzzle)
+    tokens = [3 + int(d) for d in solution]
+    assert codec.decode(tokens) == solution
+    assert codec.check_answer(prompt, tokens)["solved"] is True
+    assert codec.check_answer(prompt, tokens[:40])["solved"] is False
+
+
+def test_an_engine_failure_fails_its_requests_and_the_worker_goes_on():
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()
+    sampling = SamplingConfig(max_new_tokens=20, eos_token_ids=(1,), max_denoising_steps=4)
+    expected = Engine(model, max_batch=1, max_length=128).generate([[5, 6, 7]], sampling, seeds=[3])[0].tokens
+    worker = EngineWorker(model, max_batch=2, max_queue=4, max_length=128)
+    broken = worker.engine
+
+    def fail():
+        raise RuntimeError("out of memory (simulated)")
+
+    broken.step = fail  # this engine instance only
+
+    async def until_done(stream):
+        while True:
+            item = await asyncio.wait_for(stream.next(), 60)
+            if item.kind in ("error", "finished"):
+                return item
+
+    async def main():
+        worker.start()
+        try:
+            failed = await until_done(worker.submit([5, 6, 7], sampling, seed=3))
+            assert failed.kind == "error" and "out of memory (simulated)" in failed.message
+            assert worker.engine is not broken and worker.failures == 1 and worker.alive
+            second = worker.submit([5, 6, 7], sampling, seed=3)
+            assert (await until_done(second)).kind == "finished"
+            return second.request.tokens
+        finally:
+            worker.stop()
+
+    assert asyncio.run(main()) == expected
+    assert not worker.alive
