@@ -1,0 +1,181 @@
+"""`dgemma bench`: tokens/s of our engine against transformers' generate and AR decoding, side by side.
+
+Prints a table and, as the last line, one JSON object with every figure and the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", default="bench-20m", help="preset with random weights (default bench-20m)")
+    src.add_argument("--model", help="a model folder instead of random weights")
+    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas in fixed mode (default 16)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default one canvas)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="runs per measurement; the fastest counts")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
+    p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
+    p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _resolve(args):
+    import torch
+
+    from dgemma.cli import UsageError
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
+    if args.dtype == "auto":
+        native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype = torch.bfloat16 if native_bf16 else torch.float32
+    else:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return device, dtype
+
+
+def run(args):
+    import torch
+
+    import dgemma
+    from dgemma import bench
+    from dgemma.cli import UsageError
+
+    try:
+        batches = sorted({int(b) for b in args.batch.split(",")})
+    except ValueError:
+        raise UsageError(f"--batch takes comma-separated whole numbers, got {args.batch!r}") from None
+    if not batches or batches[0] < 1 or args.steps < 1 or args.prompt_len < 1 or args.repeats < 1:
+        raise UsageError("--batch, --steps, --prompt-len and --repeats must be >= 1")
+    device, dtype = _resolve(args)
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
+        name = args.model
+    else:
+        config = dgemma.get_preset(args.config)
+        model = dgemma.DiffusionGemma(config).to(device=device, dtype=dtype).eval()
+        if args.quantize:
+            from dgemma.model.quant import quantize_model
+
+            quantize_model(model, args.quantize)
+        name = f"preset {args.config} (random weights)"
+    c = model.config
+    new_tokens = args.new_tokens or c.canvas_length
+    never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
+    fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps,
+                                          fixed_steps=True, eos_token_ids=never, seed=args.seed)
+    adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    hf_folder = None
+    if not args.no_transformers:
+        if args.quantize:
+            print("note: transformers runs the unquantised weights", file=sys.stderr)
+        hf_folder = bench.save_for_transformers(_dense_copy(model, args, dtype, device))
+    print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
+          f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
+
+    rows, budgets = [], {}
+    for batch in batches:
+        prompts = torch.randint(3, c.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        rows.append(bench.bench_engine(model, prompts, fixed, args.repeats))
+        need = args.prompt_len + -(-new_tokens // c.canvas_length) * c.canvas_length
+        budget = bench.memory_budget(model, batch, need)
+        # resident before the timed runs already holds weights, runtime and the allocated KV cache; during
+        # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
+        budget["rss_before_bytes"] = base = rows[-1].rss_before_bytes
+        budget["peak_rss_bytes"] = rows[-1].peak_rss_bytes
+        budget["within_budget"] = rows[-1].peak_rss_bytes <= 1.1 * (base + budget["logits_buffer_bytes"])
+        budgets[batch] = budget
+        if not args.no_adaptive:
+            rows.append(bench.bench_engine(model, prompts, adaptive, 1))
+        if hf_folder is not None:
+            rows.append(bench.bench_transformers(f"{hf_folder.name}/model", prompts, fixed, dtype, device, args.repeats))
+        if not args.no_ar:
+            rows.append(bench.bench_ar(model, prompts, new_tokens, never, args.repeats))
+        print(f"  batch {batch} done", file=sys.stderr)
+
+    _table(rows)
+    result = _summary(rows, budgets, name, device, dtype, args, new_tokens)
+    if args.plot:
+        _plot(rows, args.plot, name, args.steps)
+        result["plot"] = args.plot
+    print(json.dumps(result))
+    return 0
+
+
+def _dense_copy(model, args, dtype, device):
+    """transformers gets the same weights; for a quantised model, the dense original."""
+    if not args.quantize:
+        return model
+    import dgemma
+
+    if args.model:
+        return dgemma.load_model(args.model, device="cpu", dtype=dtype)
+    import torch
+
+    torch.manual_seed(args.seed)
+    return dgemma.DiffusionGemma(dgemma.get_preset(args.config)).to(dtype=dtype)
+
+
+def _table(rows):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="generation speed (best of repeats)")
+    for col in ("system", "batch", "tokens/s", "ms/step", "TTFC s", "tok/forward", "peak RSS MB"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(r.system, str(r.batch), f"{r.tokens_per_s:,.0f}",
+                  "-" if r.ms_per_step is None else f"{r.ms_per_step:.1f}",
+                  "-" if r.ttfc_s is None else f"{r.ttfc_s:.3f}",
+                  "-" if r.tokens_per_forward is None else f"{r.tokens_per_forward:.1f}",
+                  f"{r.peak_rss_bytes / 2**20:,.0f}")
+    Console(stderr=False).print(t)
+
+
+def _summary(rows, budgets, name, device, dtype, args, new_tokens):
+    by = {(r.system, r.batch): r for r in rows}
+    out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
+           "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
+           "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
+    for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
+        ratios = {str(b): round(by[("engine-fixed", b)].tokens_per_s / by[(system, b)].tokens_per_s, 3)
+                  for (s, b) in by if s == system}
+        if ratios:
+            out[key] = ratios.get("1", next(iter(ratios.values())))  # batch 1 when measured
+            out[key + "_by_batch"] = ratios
+    return out
+
+
+def _plot(rows, path, name, steps):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r.system for r in rows):
+        pts = sorted((r.batch, r.tokens_per_s) for r in rows if r.system == system)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{name}\nfixed {steps} steps per canvas (engine-adaptive: the model's stop rule)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,28 @@
+"""A tiny `dgemma bench` run completes and prints its JSON line (speed itself is not a test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_tiny_bench_prints_json(tmp_path):
+    plot = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--batch", "1,2", "--steps", "2",
+         "--repeats", "1", "--prompt-len", "8", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    systems = {(r["system"], r["batch"]) for r in result["results"]}
+    assert systems == {(s, b) for s in ("engine-fixed", "engine-adaptive", "transformers", "ar") for b in (1, 2)}
+    assert result["speedup_vs_transformers"] > 0 and result["speedup_vs_ar"] > 0
+    assert all(r["tokens_per_s"] > 0 for r in result["results"])
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_bad_batch():
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "bench", "--batch", "one"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--batch" in proc.stderr and "Traceback" not in proc.stderr
