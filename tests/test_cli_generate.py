@@ -85,3 +85,16 @@ def test_bad_input_is_one_line_and_exit_2(tiny_model_dir, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_chat_answers_each_line_and_keeps_history(tiny_model_dir):
+    proc = dgemma("chat", "--model", str(tiny_model_dir), "--max-new-tokens", "16", "--steps", "2", "--seed", "0",
+                  stdin="hello world\nhow are you\n")
+    assert proc.returncode == 0, proc.stderr
+    assert len([line for line in proc.stdout.splitlines() if line.strip()]) >= 1
+    assert proc.stdout.count("\n") == 2  # one answer line per user line
+
+
+def test_chat_refuses_a_conversation_over_the_context(tiny_model_dir):
+    proc = dgemma("chat", "--model", str(tiny_model_dir), "--steps", "2", stdin=" ".join(["hello"] * 300) + "\n")
+    assert proc.returncode == 2 and "no longer fits" in proc.stderr
