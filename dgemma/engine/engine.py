@@ -187,7 +187,7 @@ class Engine:
         continuing_rows, continuing_canvases, continuing = [], [], []
         for r in requests:
             s = r.sampling
-            eos = torch.tensor(s.eos_token_ids, device=r.argmax.device)
+            eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=r.argmax.device)
             is_eos = torch.isin(r.argmax, eos)
             after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
             canvas_tokens = r.argmax.masked_fill(after_eos, s.pad_token_id)
