@@ -36,7 +36,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig, SamplingConfig
-from dgemma.model.checkpoint import ENCODER_PREFIX, INDEX_FILE, PREFIX, SINGLE_FILE, CheckpointError
+from dgemma.model.checkpoint import (
+    ENCODER_PREFIX,
+    INDEX_FILE,
+    PREFIX,
+    SINGLE_FILE,
+    CheckpointError,
+    move_into_place,
+    read_json,
+)
 
 # Parts of Gemma 4 that DiffusionGemma has no place for; `--drop` names them to convert without them.
 DROPPABLE = {
@@ -191,16 +199,6 @@ def parse_size(text: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # Reading the source
 # ---------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
-
-
 def _read_source_config(src: Path) -> tuple[dict, dict]:
     """-> (top-level config, text config) of a Gemma 4 folder."""
     if not src.is_dir():
@@ -208,7 +206,7 @@ def _read_source_config(src: Path) -> tuple[dict, dict]:
     config_file = src / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing (not a Hugging Face model folder)")
-    top = _read_json(config_file)
+    top = read_json(config_file)
     model_type = top.get("model_type")
     if model_type == "gemma4":
         text = top.get("text_config")
@@ -230,7 +228,7 @@ def _source_tensors(src: Path) -> dict[str, SourceTensor]:
     """Every stored tensor with its file, shape and dtype, read from the safetensors headers only."""
     index = src / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: malformed index (no weight_map)")
         files = sorted({src / f for f in weight_map.values()})
@@ -624,7 +622,7 @@ def _generation_config(src: Path, config: ModelConfig, layout: _TextLayout) -> d
     eos = layout.dg_text["eos_token_id"]
     gen_file = src / "generation_config.json"
     if gen_file.is_file():
-        eos = _read_json(gen_file).get("eos_token_id", eos)
+        eos = read_json(gen_file).get("eos_token_id", eos)
     ids = tuple(eos) if isinstance(eos, list) else (eos,)
     sampling = SamplingConfig(eos_token_ids=ids, pad_token_id=config.pad_token_id)
     return {**sampling.to_hf_dict(), "bos_token_id": config.bos_token_id}
@@ -741,13 +739,7 @@ def write_conversion(plan: ConversionPlan, out, *, max_shard_bytes: int = DEFAUL
         (tmp / "generation_config.json").write_text(json.dumps(plan.generation_config, indent=2, sort_keys=True) + "\n")
         for name in plan.tokenizer_files:
             shutil.copy2(plan.src / name, tmp / name)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         handles.clear()
         shutil.rmtree(tmp, ignore_errors=True)

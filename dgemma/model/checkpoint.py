@@ -33,16 +33,35 @@ class CheckpointError(Exception):
     """A checkpoint folder that cannot be loaded; the message names the file (and key)."""
 
 
+def read_json(path: Path, error: type[Exception] = CheckpointError) -> dict:
+    """A JSON object from a file, or one `error` naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data
+
+
+def move_into_place(tmp: Path, out: Path):
+    """Rename a finished temporary folder to `out`; an existing `out` is replaced only at this moment."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
 def read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such model folder")
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing (not a Hugging Face model folder)")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    cfg = read_json(config_file)
     model_type = cfg.get("model_type")
     if model_type not in ("diffusion_gemma", "diffusion_gemma_text"):
         raise CheckpointError(
@@ -90,12 +109,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     gen_file = path / "generation_config.json"
-    gen = {}
-    if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{gen_file}: not valid JSON ({e})") from None
+    gen = read_json(gen_file) if gen_file.is_file() else {}
     eos = cfg.get("text_config", cfg).get("eos_token_id", config.eos_token_id)
     sampling = SamplingConfig.from_hf_dict(
         {"eos_token_id": eos, "pad_token_id": config.pad_token_id, **gen}
@@ -210,13 +224,7 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
             src = getattr(model, "source_dir", None)
             if src and (Path(src) / extra).is_file():
                 shutil.copy2(Path(src) / extra, tmp / extra)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

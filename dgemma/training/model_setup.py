@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dgemma.config import FULL, ConfigError, ModelConfig, SamplingConfig, get_preset
+from dgemma.model.checkpoint import read_json
 from dgemma.training.lora import apply_lora, merge_lora_state
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -54,12 +55,7 @@ def config_from_init(init: str, overrides: dict) -> ModelConfig:
     path = Path(init)
     if not path.is_file():
         raise ConfigError(f"--init expects preset:NAME or a config JSON file; {init!r} is neither")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+    raw = read_json(path, ConfigError)
     if "text_config" in raw or "model_type" in raw:
         return apply_overrides(ModelConfig.from_hf_dict(raw), overrides)
     preset = raw.pop("preset", None)
