@@ -7,7 +7,7 @@ import json
 from dgemma.config import ModelConfig, get_preset
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
-GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp32 scale per group
+GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp16 scale per group
 
 
 def add_arguments(p):
@@ -22,13 +22,24 @@ def add_arguments(p):
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
     """Bytes of weights as `dgemma.model.quant` stores them: every linear and the fused experts quantised
-    group-wise (+ one fp32 scale per group); the tied embedding / LM head, router and norms kept bf16."""
+    group-wise (+ one fp16 scale per group); the tied embedding / LM head, router and norms kept bf16."""
     counts = config.param_counts()
     if fmt == "bf16":
         return int(counts["total"] * 2)
     kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size  # + SC pre-norm
     quantised = counts["total"] - kept
-    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 4 + kept * 2)
+    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 2 + kept * 2)
+
+
+def weight_arithmetic(config: ModelConfig, fmt: str) -> str:
+    counts = config.param_counts()
+    if fmt == "bf16":
+        return f"{counts['total'] / 1e9:.3f}B x 2 B"
+    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size
+    quantised = counts["total"] - kept
+    per = BYTES_PER_WEIGHT[fmt] + 2 / GROUP_SIZE[fmt]
+    return (f"{quantised / 1e9:.3f}B quantised x ({BYTES_PER_WEIGHT[fmt]} B + one 2 B scale per {GROUP_SIZE[fmt]} "
+            f"= {per:.4f} B) + {kept / 1e9:.3f}B kept bf16 (embedding/LM head, routers, norms) x 2 B")
 
 
 def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dict:
@@ -106,7 +117,7 @@ def run(args):
     for fmt, n in info["weight_bytes"].items():
         print(f"weights {fmt:<8} {_gb(n)}")
     print(f"memory model     {args.quantize} weights, batch {args.batch}, context {args.context}:")
-    print(f"  weights        {_gb(mem['weight_bytes'])}")
+    print(f"  weights        {_gb(mem['weight_bytes'])}  = {weight_arithmetic(config, args.quantize)}")
     print(f"  KV cache       {_gb(mem['kv_cache_bytes'])}  ({mem['kv_bytes_per_token_bf16']:,} B/token bf16, "
           f"sliding layers hold {min(args.context, c.sliding_window)} tokens)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")

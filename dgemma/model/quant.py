@@ -24,7 +24,8 @@ GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer gro
 
 def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int | None = None):
     """w (..., out, in) -> (q, scales). int8: q int8 (..., out, in); int4: q uint8 (..., out, in/2), two
-    nibbles per byte. scales (..., out, in/group) fp32 with w ≈ q * scale per group."""
+    nibbles per byte. scales (..., out, in/group) fp16 with w ≈ q * scale per group (2 bytes a group:
+    int4 costs 0.5625 bytes a weight with groups of 32)."""
     *lead, out_f, in_f = w.shape
     group_size = group_size or GROUP_SIZE[fmt]
     if in_f % group_size:
@@ -45,8 +46,9 @@ def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int | None = None):
         else:
             better = err < best_err
             best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    best_scale = best_scale.to(torch.float16).float()  # stored as fp16: quantise against what is stored
     q = torch.round(groups / best_scale).clamp(qmin, qmax).to(torch.int8)
-    scales = best_scale.squeeze(-1)
+    scales = best_scale.squeeze(-1).to(torch.float16)
     q = q.reshape(*lead, out_f, in_f)
     if fmt == "int4":
         nibbles = (q + 8).to(torch.uint8)  # 0..15
@@ -61,7 +63,7 @@ def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: to
         q = torch.stack([low, high], dim=-1).flatten(-2)
     *lead, out_f, in_f = q.shape
     groups = scales.shape[-1]
-    w = q.reshape(*lead, out_f, groups, in_f // groups).to(scales.dtype) * scales[..., None]
+    w = q.reshape(*lead, out_f, groups, in_f // groups).float() * scales.float()[..., None]
     return w.reshape(*lead, out_f, in_f).to(dtype)
 
 
@@ -74,7 +76,8 @@ class QuantLinear(nn.Module):
         packed_in = in_features // 2 if fmt == "int4" else in_features
         group = GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
         self.register_buffer("qweight", torch.empty(out_features, packed_in, dtype=torch.uint8 if fmt == "int4" else torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, in_features // group, device=device))
+        self.register_buffer("scales", torch.empty(out_features, in_features // group, dtype=torch.float16,
+                                                   device=device))
 
     def load_dense(self, weight: torch.Tensor):
         # the dense tensor's device wins: while loading, this module still sits on the meta device
@@ -101,7 +104,8 @@ class QuantExperts(Experts):
             group = GROUP_SIZE[fmt] if in_f % GROUP_SIZE[fmt] == 0 else in_f
             qdtype = torch.uint8 if fmt == "int4" else torch.int8
             self.register_buffer(f"{name}_q", torch.empty(E, out_f, packed, dtype=qdtype, device=base.gate_up_proj.device))
-            self.register_buffer(f"{name}_scales", torch.empty(E, out_f, in_f // group, device=base.gate_up_proj.device))
+            self.register_buffer(f"{name}_scales", torch.empty(E, out_f, in_f // group, dtype=torch.float16,
+                                                               device=base.gate_up_proj.device))
 
     def load_dense(self, name: str, tensor: torch.Tensor):
         q, s = quantize_tensor(tensor, self.fmt)

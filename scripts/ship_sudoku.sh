@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Copy a training checkpoint into dgemma/assets/sudoku (the model `dgemma sudoku` uses by default) and
+# measure it on the held-out bucket sets: plain and clamped decoding, per bucket, JSON kept beside it.
+#   scripts/ship_sudoku.sh runs/sudoku-diffusion/checkpoints/step-NNNNNNN [runs/sudoku-ar/... for the AR baseline]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CKPT=${1:?checkpoint folder}
+AR=${2:-}
+DATA=${DATA:-runs/sudoku-data}
+DEST=dgemma/assets/sudoku
+rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp/eval"
+cp "$CKPT"/model/config.json "$CKPT"/model/generation_config.json "$CKPT"/model/model.safetensors "$DEST.tmp/"
+echo '{"task": "sudoku"}' > "$DEST.tmp/dgemma_task.json"
+RUN=$(dirname "$(dirname "$CKPT")")
+cp "$RUN/metrics.jsonl" "$DEST.tmp/training-metrics.jsonl"
+[ -f "$RUN/loss.png" ] && cp "$RUN/loss.png" "$DEST.tmp/loss.png"
+cp "$CKPT/trainer_state.json" "$DEST.tmp/trainer_state.json"
+cp scripts/train_sudoku.sh scripts/sudoku-model.json "$DEST.tmp/"
+rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
+for bucket in easy medium hard; do
+  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 50 --seed 0 \
+    --plot "$DEST/eval/settle-$bucket.png" | tail -1 > "$DEST/eval/diffusion-$bucket.json"
+  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 50 --seed 0 --clamp \
+    | tail -1 > "$DEST/eval/diffusion-clamped-$bucket.json"
+  if [ -n "$AR" ]; then
+    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$AR/model" --ar --batch 50 \
+      | tail -1 > "$DEST/eval/ar-$bucket.json"
+  fi
+done
+ls -la "$DEST" "$DEST/eval"
