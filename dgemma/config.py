@@ -147,12 +147,12 @@ class ModelConfig:
             global_head_dim = text.get("global_head_dim", 512)
             num_global_kv = text.get("num_global_key_value_heads") or base_kv
             over = {}
-        for i in full_idx:
-            o = per_layer.get(i, {})
-            if o.get("head_dim", global_head_dim) != global_head_dim or o.get(
-                "num_key_value_heads", num_global_kv
-            ) != num_global_kv:
-                raise ConfigError("full-attention layers with different shapes are not supported")
+        if "per_layer_config" in text:  # a full layer without an entry has the base shape
+            for i in full_idx:
+                o = per_layer.get(i, {})
+                shape = (o.get("head_dim", text.get("head_dim", 256)), o.get("num_key_value_heads", base_kv))
+                if shape != (global_head_dim, num_global_kv):
+                    raise ConfigError("full-attention layers with different shapes are not supported")
         rope = text.get("rope_parameters") or {}
         rs = rope.get(SLIDING) or {"rope_theta": 10_000.0}
         rf = rope.get(FULL) or {"rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25}
@@ -190,7 +190,7 @@ class ModelConfig:
             top_k_experts=text.get("top_k_experts") or 8,
             moe_intermediate_size=text.get("moe_intermediate_size") or 704,
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            final_logit_softcapping=text.get("final_logit_softcapping") or 30.0,
+            final_logit_softcapping=_softcap(text.get("final_logit_softcapping", 30.0)),
             max_position_embeddings=text.get("max_position_embeddings", 262_144),
             canvas_length=cfg.get("canvas_length", 256) or 256,
             pad_token_id=text.get("pad_token_id", 0) if text.get("pad_token_id") is not None else 0,
@@ -254,6 +254,15 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _softcap(value) -> float:
+    # transformers fixes DiffusionGemma's final soft-cap at 30; a config without it means that value
+    if value is None:
+        return 30.0
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"final_logit_softcapping must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _default_top_level() -> dict[str, Any]:

@@ -164,3 +164,15 @@ def test_cli_reports_bad_folder_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "config.json" in proc.stderr and "llama" in proc.stderr
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"final_logit_softcapping": 0}, "final_logit_softcapping must be a positive number"),
+    ({"per_layer_config": {"3": {"head_dim": 32, "num_key_value_heads": 1}}}, "different shapes"),
+])
+def test_configs_we_cannot_run_are_refused(broken, change, message):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["text_config"].update(change)  # the second: layer 1 (full) keeps the base shape, layer 3 does not
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        dgemma.load_model(broken)
