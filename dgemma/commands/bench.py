@@ -21,6 +21,8 @@ def add_arguments(p):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32")
+    p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
+                   help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
@@ -102,7 +104,9 @@ def run(args):
         if not args.no_adaptive:
             rows.append(bench.bench_engine(model, prompts, adaptive, 1))
         if hf_folder is not None:
-            rows.append(bench.bench_transformers(f"{hf_folder.name}/model", prompts, fixed, dtype, device, args.repeats))
+            hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
+            rows.append(bench.bench_transformers(f"{hf_folder.name}/model", prompts, fixed, hf_dtype, device,
+                                                 args.repeats))
         if not args.no_ar:
             rows.append(bench.bench_ar(model, prompts, new_tokens, never, args.repeats))
         print(f"  batch {batch} done", file=sys.stderr)
@@ -148,7 +152,8 @@ def _table(rows):
 
 def _summary(rows, budgets, name, device, dtype, args, new_tokens):
     by = {(r.system, r.batch): r for r in rows}
-    out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
+    out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""),
+           "transformers_dtype": args.transformers_dtype, "steps": args.steps,
            "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
            "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
