@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Copy a training checkpoint into dgemma/assets/sudoku (the model `dgemma sudoku` uses by default) and
 # measure it on the held-out bucket sets: plain and clamped decoding, per bucket, JSON kept beside it.
-#   scripts/ship_sudoku.sh runs/sudoku-diffusion/checkpoints/step-NNNNNNN [runs/sudoku-ar/... for the AR baseline]
+#   scripts/ship_sudoku.sh runs/sudoku-diffusion/checkpoints/step-N [runs/sudoku-ar/checkpoints/step-M/model]
+# COMPARE=runs/sudoku-diffusion/checkpoints/step-M/model also measures the diffusion model at the AR step count
+# (set COMPARE_STEP and AR_STEP to label the table).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CKPT=${1:?checkpoint folder}
@@ -18,13 +20,22 @@ cp "$CKPT/trainer_state.json" "$DEST.tmp/trainer_state.json"
 cp scripts/train_sudoku.sh scripts/sudoku-model.json "$DEST.tmp/"
 rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
 for bucket in easy medium hard; do
-  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 50 --seed 0 \
+  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 100 --seed 0 \
     --plot "$DEST/eval/settle-$bucket.png" | tail -1 > "$DEST/eval/diffusion-$bucket.json"
-  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 50 --seed 0 --clamp \
+  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 100 --seed 0 --clamp \
     | tail -1 > "$DEST/eval/diffusion-clamped-$bucket.json"
+  if [ "$bucket" = easy ]; then  # int8 against fp32 on one bucket
+    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 100 --seed 0 --quantize int8 \
+      | tail -1 > "$DEST/eval/diffusion-int8-$bucket.json"
+  fi
+  if [ -n "${COMPARE:-}" ]; then  # another diffusion checkpoint, e.g. at the AR baseline's step count
+    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$COMPARE" --batch 100 --seed 0 \
+      | tail -1 > "$DEST/eval/diffusion-compare-$bucket.json"
+  fi
   if [ -n "$AR" ]; then
-    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$AR/model" --ar --batch 50 \
+    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$AR" --ar --batch 100 \
       | tail -1 > "$DEST/eval/ar-$bucket.json"
   fi
 done
+python scripts/sudoku_results.py "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > "$DEST/RESULTS.md"
 ls -la "$DEST" "$DEST/eval"

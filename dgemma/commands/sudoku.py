@@ -131,13 +131,15 @@ class SettleTracker:
         self.accepted.append(event.accepted)
 
     def settle_steps(self) -> list[int]:
+        """Per cell, the 1-based step from which it stayed accepted with its final token: when it got fixed.
+        (Nothing is locked for good in a uniform-state sampler, so "fixed" means "never changed again".)"""
         final = self.history[-1]
         steps = []
         for cell in range(81):
             step = len(self.history)
-            while step > 0 and self.history[step - 1][cell] == final[cell]:
+            while step > 0 and self.accepted[step - 1][cell] and self.history[step - 1][cell] == final[cell]:
                 step -= 1
-            steps.append(step + 1)  # the 1-based step from which the cell never changed again
+            steps.append(step + 1)
         return steps
 
     def corrections(self) -> tuple[int, int]:
@@ -241,7 +243,7 @@ def _eval(args):
     puzzles = [e.puzzle for e in examples]
     start = time.perf_counter()
     steps = forwards_tokens = corrections = accepted_total = 0
-    settle = [0.0] * 81
+    settle, blank_count = [0.0] * 81, [0] * 81  # summed over the puzzles where the cell is blank
     if args.ar:
         from dgemma.ar import generate_ar
 
@@ -271,7 +273,10 @@ def _eval(args):
             corrections += changed
             accepted_total += total
             for cell, s in enumerate(t.settle_steps()):
-                settle[cell] += s / len(requests)
+                if r.prompt[1 + cell] == S.SudokuVocab.BLANK:
+                    settle[cell] += s
+                    blank_count[cell] += 1
+        settle = [s / n if n else float("nan") for s, n in zip(settle, blank_count)]
     elapsed = time.perf_counter() - start
     grids = [S.decode_canvas(list(c) + [S.SudokuVocab.PAD] * (81 - len(c))) for c in canvases]
     result = S.score(puzzles, grids)
@@ -284,7 +289,7 @@ def _eval(args):
             "mean_denoising_steps": steps / len(puzzles),
             "tokens_per_forward": forwards_tokens / steps if steps else 0.0,
             "accepted_later_changed": corrections / accepted_total if accepted_total else 0.0,
-            "mean_settle_step_by_cell": [round(s, 2) for s in settle],
+            "mean_fix_step_of_blank_cells": [round(s, 2) for s in settle],
         })
         if args.plot:
             _plot_settle(settle, puzzles, args.plot)
@@ -332,7 +337,8 @@ def _plot_settle(settle, puzzles, path):
         ax.axvline(k, color="w", lw=1.5)
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_title(f"Mean denoising step at which each cell settles\n({len(puzzles)} puzzles)")
+    ax.set_title(f"Mean step at which a blank cell is fixed for good\n"
+                 f"(accepted with its final digit; {len(puzzles)} puzzles)", fontsize=10)
     fig.colorbar(im, ax=ax, label="step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
