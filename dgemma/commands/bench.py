@@ -147,7 +147,7 @@ def _table(rows):
                   "-" if r.ttfc_s is None else f"{r.ttfc_s:.3f}",
                   "-" if r.tokens_per_forward is None else f"{r.tokens_per_forward:.1f}",
                   f"{r.peak_rss_bytes / 2**20:,.0f}")
-    Console(stderr=False).print(t)
+    Console(stderr=False, width=120).print(t)
 
 
 def _summary(rows, budgets, name, device, dtype, args, new_tokens):
