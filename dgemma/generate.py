@@ -6,7 +6,7 @@ Block diffusion, one canvas of L = `canvas_length` tokens at a time:
     for each canvas (until every row has an EOS or max_new_tokens are covered):
         canvas = L uniform random tokens
         for step in 0 .. max_denoising_steps-1:      (the reference counts these down N..1)
-            logits = denoise(canvas, cache, self-conditioning = previous step's scaled logits)
+            logits = denoise(canvas, cache, self-conditioning = softmax of previous step's scaled logits)
             sample / accept / re-noise (dgemma.sampling.sampler_step)
             stop the row when its argmax canvas is stable and its mean entropy is low
         commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
@@ -218,7 +218,7 @@ def denoise_canvas(
     self_conditioning = None  # no signal at the first step
     for step_index in range(num_steps):
         steps += ~done
-        logits = model.denoise(canvas, cache, self_conditioning)  # (B, L, V) fp32
+        logits = model.denoise(canvas, cache, self_conditioning_probs=self_conditioning)  # (B, L, V) fp32
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
         result = sampler_step(logits, temperature, sampling.entropy_bound, generator,
@@ -228,7 +228,7 @@ def denoise_canvas(
         stop, history = adaptive_stop(history, argmax, result.entropy, sampling.confidence_threshold, fixed)
         if not sampling.fixed_steps:
             done |= stop
-        self_conditioning = logits  # scaled by 1/T in place by sampler_step: the reference's signal
+        self_conditioning = logits  # now softmax(logits / T), left in place by sampler_step
         if on_draft is not None:
             on_draft(step_index, argmax, result.entropy, result.accepted)
         if bool(done.all()):

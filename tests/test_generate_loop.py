@@ -66,7 +66,7 @@ class MockModel:
     def targets(self, row: int, n: int) -> list[int]:
         return [self.target(row, i) for i in range(n)]
 
-    def denoise(self, canvas_ids, cache, self_conditioning_logits=None):
+    def denoise(self, canvas_ids, cache, self_conditioning_probs=None):
         B, L = canvas_ids.shape
         V = self.config.vocab_size
         prompt_width = cache.blocks[0][0].shape[1]
@@ -79,7 +79,7 @@ class MockModel:
             peaks = FIRST_PLAIN + (peaks + 1 - FIRST_PLAIN) % (V - FIRST_PLAIN)
         margin = torch.tensor([self.margin[b % len(self.margin)] for b in range(B)]).view(B, 1, 1)
         logits = torch.nn.functional.one_hot(peaks, V).float() * margin
-        self.denoises.append(dict(canvas=canvas_ids.clone(), sc=self_conditioning_logits, out=logits,
+        self.denoises.append(dict(canvas=canvas_ids.clone(), sc=self_conditioning_probs, out=logits,
                                   raw=logits.clone(), start=cache.length))
         return logits
 
@@ -186,7 +186,7 @@ def test_rows_stop_on_their_own_and_stopped_rows_are_frozen():
     assert result.tokens[0] == model.targets(0, 8)
 
 
-def test_self_conditioning_is_the_previous_steps_temperature_scaled_logits():
+def test_self_conditioning_is_the_softmax_of_the_previous_steps_temperature_scaled_logits():
     model = MockModel(canvas_length=8, margin=(0.7,))  # never stops: 6 steps per canvas
     sampling = config(max_new_tokens=16)
     generate(model, [[4, 5, 6]], sampling, seed=0)
@@ -198,7 +198,8 @@ def test_self_conditioning_is_the_previous_steps_temperature_scaled_logits():
             previous, current = calls[canvas_start + step - 1], calls[canvas_start + step]
             temperature = temperature_schedule(step - 1, 6, sampling.t_min, sampling.t_max)
             assert current["sc"] is previous["out"]
-            assert torch.equal(current["sc"], previous["raw"] / temperature)
+            expected = torch.softmax(previous["raw"] / temperature, dim=-1)
+            torch.testing.assert_close(current["sc"], expected, rtol=1e-6, atol=1e-7)
 
 
 def test_canvas_template_is_never_changed():
@@ -256,7 +257,7 @@ def test_bad_inputs_are_rejected():
 def test_matches_transformers_generate_with_shared_randomness(tmp_path, monkeypatch):
     """Our loop vs DiffusionGemmaForBlockDiffusion.generate on the same random weights. The reference
     draws with torch.multinomial and torch.randint from the global RNG; both are rerouted here to our
-    Gumbel-max noise and our generator, drawn in the same order, so the tokens themselves must agree."""
+    inverse-CDF draws and our generator, drawn in the same order, so the tokens themselves must agree."""
     pytest.importorskip("dgemma.model")
     import dgemma
     from dgemma.generate import left_pad

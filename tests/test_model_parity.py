@@ -165,3 +165,38 @@ def test_rows_at_different_lengths_share_one_cache(hf_checkpoints):
             model.encode(extra, alone)
         assert (model.denoise(canvas[row : row + 1], alone) - both[row : row + 1]).abs().max() <= TOL
     assert shared.row_lengths == [5 + 16, 0, 17]
+
+
+@pytest.mark.parametrize("adapted", [False, True])
+def test_batched_experts_equal_one_matmul_per_expert(adapted):
+    """The padded (E, C, H) batched path and the per-expert loop are the same function (with LoRA too),
+    and skewed routing (too much padding) falls back to the loop."""
+    from dgemma.model.network import Experts
+    from dgemma.training.lora import LoRAExperts
+
+    config = dgemma.get_preset("tiny")
+    g = torch.Generator().manual_seed(0)
+    experts = Experts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    if adapted:
+        experts = LoRAExperts(experts, rank=2, alpha=4)
+        with torch.no_grad():
+            experts.lora_gate_up_B.normal_(generator=g)
+            experts.lora_down_B.normal_(generator=g)
+    N, k, E = 40, config.top_k_experts, config.num_experts
+    x = torch.randn(N, config.hidden_size, generator=g)
+    weights = torch.rand(N, k, generator=g)
+    balanced = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    skewed = torch.stack([torch.tensor([0, 1 + i % (E - 1)]) for i in range(N)])  # expert 0 takes every token
+    experts.max_padding = 1.5  # tiny has 4 experts: all tokens on one would be 2x padding
+    calls = []
+    experts._per_expert = (lambda f: lambda *a: calls.append("loop") or f(*a))(experts._per_expert)
+    for choice in (balanced, skewed):
+        batched = experts(x, weights, choice)
+        experts.max_padding = 0.0  # force the loop
+        looped = experts(x, weights, choice)
+        experts.max_padding = 1.5
+        torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
+    assert calls == ["loop", "loop", "loop"]  # forced twice, and the skewed routing chose it itself

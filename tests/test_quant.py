@@ -28,7 +28,7 @@ def _logits(model, ids, canvas):
                                                     generator=torch.Generator().manual_seed(3)))
 
 
-def _briefly_trained_tiny_model(steps=100):
+def _briefly_trained_tiny_model(steps=300):
     """A random model's routers are nearly uniform, so any perturbation flips their top-k and swaps whole
     experts; trained routers have margins. Train the tiny preset a little (AR + denoising losses on
     arithmetic sequences) so the comparison measures quantisation, not chaos."""

@@ -170,8 +170,8 @@ class Engine:
                                             r.canvas_fixed)
             r.step_index += 1
             r.forward_passes += 1
-            # next step's self-conditioning: this step's temperature-scaled logits (the sampler scaled
-            # the buffer in place), kept as an embedding so the logits buffer can go
+            # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
+            # sampler left it in the buffer), kept as an embedding so the buffer can go
             r.soft = self.runner.soft_embedding(row_logits[0])
             if r.want_drafts:
                 r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,

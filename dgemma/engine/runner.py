@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-# Self-conditioning embeddings are made position-chunk by position-chunk from the logits buffer, so the
-# softmax temporaries stay a few (chunk, V) buffers next to the one (B, L, V) logits buffer.
+# Self-conditioning embeddings are made position-chunk by position-chunk from the probabilities buffer,
+# so the temporaries stay (chunk, V) next to the one (B, L, V) buffer.
 SOFT_CHUNK_ELEMENTS = 1 << 24
-
 
 class Runner:
     def __init__(self, model, max_batch: int, max_length: int):
@@ -40,13 +39,14 @@ class Runner:
         return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=torch.tensor(rows, device=self.device))
 
     @torch.no_grad()
-    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """(L, V) self-conditioning logits -> (L, H), chunked over positions."""
-        L, V = sc_logits.shape
+    def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
+        """(L, V) self-conditioning probabilities (the sampler's buffer) -> (L, H), chunked over positions
+        so the model-dtype copy of the probabilities stays a (chunk, V) temporary."""
+        L, V = probs.shape
         out = torch.empty(L, self.hidden_size, dtype=self.model.dtype, device=self.device)
         step = max(1, SOFT_CHUNK_ELEMENTS // V)
         for a in range(0, L, step):
-            out[a : a + step] = self.model.soft_embedding(sc_logits[None, a : a + step])[0]
+            out[a : a + step] = self.model.soft_embedding_from_probs(probs[a : a + step])
         return out
 
     def free(self, rows: list[int]):

@@ -36,11 +36,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            out = out * self.weight.float()
-        return out.type_as(x)
+        # torch's fused kernel: one pass instead of the five elementwise ops of the textbook form
+        weight = self.weight.float() if self.weight is not None else None
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +119,14 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E gated MLPs stored fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
 
-    Tokens are grouped by expert so each active expert runs one matmul over exactly its tokens.
+    Tokens are grouped by expert. Usually all experts then run as one batched matmul per projection over
+    an (E, C, H) grid padded to the busiest expert's C tokens: on CPU that is ~2x faster than E small
+    matmuls. When routing is so skewed that the padding would more than double the work (or the weights
+    are quantised and must be dequantised expert by expert), each active expert runs its own matmul.
     """
+
+    batched = True  # False in subclasses whose weights are not plain (E, out, in) tensors
+    max_padding = 2.0  # batched only while E * C <= max_padding * (tokens * k)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -134,27 +138,51 @@ class Experts(nn.Module):
         """(gate_up (2I, H), down (H, I)) for expert e; quantised subclasses dequantise here."""
         return self.gate_up_proj[e], self.down_proj[e]
 
+    def project(self, name: str, grid: torch.Tensor) -> torch.Tensor:
+        """All experts at once: grid (E, C, in) @ weight[e].T -> (E, C, out); adapters add their term here."""
+        return torch.bmm(grid, getattr(self, name).transpose(1, 2))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (N, H), weights/experts (N, k) -> (N, H)."""
         N, k = experts.shape
+        num_experts = self.gate_up_proj.shape[0]
         flat_expert = experts.reshape(-1)  # (N*k,) one entry per (token, choice)
         order = flat_expert.argsort(stable=True)  # group the entries by expert
         token_of = order // k
-        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
-        sorted_out = x.new_empty(N * k, x.shape[-1])  # expert outputs, in grouped order
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            gate_up, down = self.expert_weights(e)
-            gate, up = F.linear(x[token_of[start : start + n]], gate_up).chunk(2, dim=-1)
-            sorted_out[start : start + n] = F.linear(gelu(gate) * up, down)
-            start += n
+        counts = torch.bincount(flat_expert, minlength=num_experts)
+        busiest = int(counts.max())
+        if self.batched and num_experts * busiest <= self.max_padding * N * k:
+            sorted_out = self._batched(x[token_of], flat_expert[order], counts, busiest)
+        else:
+            sorted_out = self._per_expert(x[token_of], counts.tolist())
         # back to (token, choice) order, then the routing-weighted sum over the k choices
         # (a gather and a sum: far cheaper on CPU than scattering into the output with index_add)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return (out.view(N, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+    def _batched(self, grouped_x, sorted_expert, counts, capacity: int) -> torch.Tensor:
+        """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H), via an (E, C, H) grid."""
+        E, H = counts.shape[0], grouped_x.shape[-1]
+        first = counts.cumsum(0) - counts  # (E,) where each expert's entries start
+        rank = torch.arange(grouped_x.shape[0], device=grouped_x.device) - first[sorted_expert]
+        slot = sorted_expert * capacity + rank  # (N*k,) cell of each entry in the flattened grid
+        grid = grouped_x.new_zeros(E * capacity, H).index_copy(0, slot, grouped_x)  # zero rows stay zero
+        gate, up = self.project("gate_up_proj", grid.view(E, capacity, H)).chunk(2, dim=-1)
+        out = self.project("down_proj", gelu(gate) * up)  # (E, C, H)
+        return out.view(E * capacity, H)[slot]
+
+    def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
+        sorted_out = torch.empty_like(grouped_x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate_up, down = self.expert_weights(e)
+            gate, up = F.linear(grouped_x[start : start + n], gate_up).chunk(2, dim=-1)
+            sorted_out[start : start + n] = F.linear(gelu(gate) * up, down)
+            start += n
+        return sorted_out
 
 
 class Block(nn.Module):
@@ -270,15 +298,26 @@ class DiffusionGemma(nn.Module):
         return self._inv_freq[key]
 
     # -- shared pieces ----------------------------------------------------------------------
+    def embed_scale(self) -> torch.Tensor:
+        """sqrt(H), rounded to the weights' dtype as the reference does, for token and soft embeddings."""
+        return torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
-        return self.embed_tokens(ids) * scale
+        return self.embed_tokens(ids) * self.embed_scale()
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, tied LM head, soft-capping: (..., H) -> (..., V) fp32."""
+        """Final norm, tied LM head, soft-capping: (..., H) -> (..., V) fp32.
+
+        cap * tanh(z / cap) is evaluated as 2 cap * sigmoid(2 z / cap) - cap, in place on the one fp32
+        buffer: the same function (to ~1e-6 absolute), but CPU sigmoid is ~4x faster than CPU tanh, and
+        over (B, L, V) logits that is a visible share of a denoising step. (Out of place when autograd
+        needs the intermediate values.)
+        """
         logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        if torch.is_grad_enabled():
+            return torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap
+        return logits.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
 
     def _rope(self, positions: torch.Tensor):
         return {s: rope_tables(positions, self.inv_freq(s), self.dtype) for s in (False, True)}
@@ -328,8 +367,11 @@ class DiffusionGemma(nn.Module):
     # -- decoder: bidirectional over the canvas, reads the cache -----------------------------
     def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
         """Previous step's logits (B, L, V) -> expected embedding (B, L, H), scaled like token embeddings."""
-        probs = sc_logits.softmax(dim=-1, dtype=torch.float32).to(self.dtype)
-        return (probs @ self.embed_tokens.weight) * torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
+        return self.soft_embedding_from_probs(sc_logits.softmax(dim=-1, dtype=torch.float32))
+
+    def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """softmax(previous logits) (B, L, V), as the sampler leaves it -> (B, L, H)."""
+        return (probs.to(self.dtype) @ self.embed_tokens.weight) * self.embed_scale()
 
     def denoise(
         self,
@@ -337,6 +379,7 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         self_conditioning_logits: torch.Tensor | None = None,
         *,
+        self_conditioning_probs: torch.Tensor | None = None,
         self_conditioning_mask: torch.Tensor | None = None,
         soft_embedding: torch.Tensor | None = None,
         prefix_length: torch.Tensor | None = None,
@@ -345,8 +388,9 @@ class DiffusionGemma(nn.Module):
     ):
         """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
 
-        Self-conditioning comes either as the previous logits or, to spare a (B, L, V) buffer, as their
-        `soft_embedding` (B, L, H) made earlier with `soft_embedding()`.
+        Self-conditioning comes as the previous (temperature-scaled) logits, as their softmax (what
+        `sampler_step` leaves in its buffer), or, to spare a (B, L, V) buffer, as the `soft_embedding`
+        (B, L, H) made earlier with `soft_embedding()` / `soft_embedding_from_probs()`.
         """
         B, L = canvas_ids.shape
         device = canvas_ids.device
@@ -362,6 +406,8 @@ class DiffusionGemma(nn.Module):
         soft = soft_embedding
         if self_conditioning_logits is not None:
             soft = self.soft_embedding(self_conditioning_logits)
+        elif self_conditioning_probs is not None:
+            soft = self.soft_embedding_from_probs(self_conditioning_probs)
         if soft is not None and self_conditioning_mask is not None:
             soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(self.embed(canvas_ids), soft)

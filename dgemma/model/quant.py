@@ -94,6 +94,8 @@ class QuantLinear(nn.Module):
 class QuantExperts(Experts):
     """Fused experts with quantised (E, out, in) tensors; one expert is dequantised when it runs."""
 
+    batched = False  # dequantising every expert at once would cost the memory quantisation saved
+
     def __init__(self, base: Experts, fmt: str, dtype: torch.dtype):
         nn.Module.__init__(self)
         self.fmt, self.compute_dtype = fmt, dtype
