@@ -163,6 +163,6 @@ def memory_budget(model, batch: int, max_length: int) -> dict:
     """What one generation may hold beyond the loaded model: the KV cache and one (B, L, V) fp32 buffer.
     (The engine's cache is already allocated when the timed runs start; it is listed for the record.)"""
     cache = model.new_cache(batch, max_length, device="meta")
-    kv = sum(k.numel() * k.element_size() for k in cache.keys + cache.values)
+    kv = cache.nbytes()
     logits = batch * model.config.canvas_length * model.config.vocab_size * 4
     return {"kv_cache_bytes": kv, "logits_buffer_bytes": logits}

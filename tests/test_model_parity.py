@@ -103,10 +103,11 @@ def test_cached_equals_uncached_and_cache_is_bounded(hf_checkpoints):
     assert (torch.cat(pieces, dim=1) - full_logits).abs().max() <= TOL
     canvas = torch.randint(0, model.config.vocab_size, (2, 16))
     assert (model.denoise(canvas, whole) - model.denoise(canvas, chunked)).abs().max() <= TOL
-    # sliding layers keep only what the window needs; full layers one slot per position
+    # sliding layers keep only what the window needs; full layers one slot per position; both reserve
+    # one canvas worth of slots for the decoder
     for i in range(model.config.num_layers):
         expected = W - 1 if model.config.is_sliding(i) else 128
-        assert whole.keys[i].shape[2] == expected
+        assert whole.keys[i].shape[2] == model.config.canvas_length + expected
 
 
 @torch.no_grad()
@@ -200,3 +201,29 @@ def test_batched_experts_equal_one_matmul_per_expert(adapted):
         experts.max_padding = 1.5
         torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
     assert calls == ["loop", "loop", "loop"]  # forced twice, and the skewed routing chose it itself
+
+
+@torch.no_grad()
+def test_generation_cache_layout_k_eq_v_once_and_canvas_slots(hf_checkpoints):
+    """Full layers store the raw K = V projection once; a denoising step writes only the canvas slots and
+    attends to a view of the cache (no copy of the prefix), for consecutive rows."""
+    folder, _ = hf_checkpoints["gemma-pattern"]
+    model = dgemma.load_model(folder)
+    c = model.config
+    cache = model.new_cache(3, 64)
+    model.encode(torch.randint(0, c.vocab_size, (3, 20)), cache)
+    for i in range(c.num_layers):
+        assert (cache.values[i] is None) == (not c.is_sliding(i))
+    assert cache.nbytes() == sum(t.numel() * t.element_size() for t in cache.keys) + sum(
+        t.numel() * t.element_size() for t in cache.values if t is not None)
+    prefix = [k[:, :, c.canvas_length :].clone() for k in cache.keys]
+    canvas = torch.randint(0, c.vocab_size, (2, c.canvas_length))
+    rows = torch.tensor([1, 2])
+    first = model.denoise(canvas, cache, rows=rows)
+    assert all(torch.equal(k[:, :, c.canvas_length :], p) for k, p in zip(cache.keys, prefix))
+    k = torch.zeros(2, c.layer_kv_heads(0), c.canvas_length, c.layer_head_dim(0))
+    keys, _ = cache.decoder_keys(0, c.is_sliding(0), rows, k, None if not c.is_sliding(0) else k)
+    assert keys.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()  # a view
+    # the reserved slots do not leak between calls: the same canvas again gives the same logits
+    model.denoise(torch.randint(0, c.vocab_size, (2, c.canvas_length)), cache, rows=rows)
+    torch.testing.assert_close(model.denoise(canvas, cache, rows=rows), first, rtol=0, atol=0)

@@ -50,8 +50,11 @@ def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dic
     kv_sliding_per_token = sum(
         2 * config.layer_kv_heads(i) * config.layer_head_dim(i) for i in range(config.num_layers) if config.is_sliding(i)
     )
-    window = min(context, config.sliding_window)
-    kv_bytes = 2 * batch * (kv_full_per_token * context + kv_sliding_per_token * window)  # bf16
+    # as dgemma's KVCache lays it out: sliding layers a ring of window - 1 slots, full layers one slot per
+    # position, and both one canvas of slots the decoder writes its own keys into
+    ring = min(context, config.sliding_window - 1)
+    canvas = config.canvas_length
+    kv_bytes = 2 * batch * (kv_full_per_token * (context + canvas) + kv_sliding_per_token * (ring + canvas))  # bf16
     logits_buffer = batch * config.canvas_length * config.vocab_size * 4  # one fp32 (B, L, V) buffer
     weights = weight_bytes(config, fmt)
     return {
@@ -119,7 +122,7 @@ def run(args):
     print(f"memory model     {args.quantize} weights, batch {args.batch}, context {args.context}:")
     print(f"  weights        {_gb(mem['weight_bytes'])}  = {weight_arithmetic(config, args.quantize)}")
     print(f"  KV cache       {_gb(mem['kv_cache_bytes'])}  ({mem['kv_bytes_per_token_bf16']:,} B/token bf16, "
-          f"sliding layers hold {min(args.context, c.sliding_window)} tokens)")
+          f"sliding layers hold {min(args.context, c.sliding_window - 1)} tokens, plus {c.canvas_length} canvas slots per layer)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
     print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "weight_bytes")}, "memory": mem}))

@@ -4,6 +4,14 @@ The cache stores, for every slot, the *position* of the token held there (-1 = e
 Masks are computed from positions alone, so a slot's place in the buffer does not matter: the
 sliding-window layers can keep a ring buffer of `window - 1` slots and the full layers one slot per
 column, and the same mask code serves the causal encoder, the bidirectional decoder and training.
+
+Full-attention layers have no v_proj: keys and values both come from one projection (K = V), so
+their cache holds that raw projection once and the layer derives keys (k_norm, RoPE) and values
+(scale-free norm) from it when it attends; sliding layers store finished keys and values.
+
+A generation cache also reserves `canvas_length` slots in front of every layer's prefix slots: the
+decoder writes the canvas's own keys/values there and attends to one contiguous view
+[canvas | prefix], so a denoising step copies L new keys per layer, never the whole prefix.
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
 
 
 def canvas_mask(cached_pos: torch.Tensor, canvas_start: torch.Tensor, canvas_len: int, window: int | None):
-    """Decoder mask. cached_pos (B, S), canvas_start (B,) -> (B, 1, L, S + L) bool.
+    """Decoder mask over keys laid out [canvas (L) | cached slots (S)]. cached_pos (B, S), canvas_start
+    (B,) -> (B, 1, L, L + S) bool.
 
     Every canvas token sees the whole canvas and the cached prefix before `canvas_start`; on sliding
     layers only the last `window - 1` prefix tokens (what the encoder's ring buffer keeps), so a
@@ -70,7 +79,7 @@ def canvas_mask(cached_pos: torch.Tensor, canvas_start: torch.Tensor, canvas_len
     if window is not None:
         prefix &= cached_pos > start - window
     B = cached_pos.shape[0]
-    visible = torch.cat([prefix, prefix.new_ones(B, canvas_len)], dim=1)  # (B, S + L)
+    visible = torch.cat([prefix.new_ones(B, canvas_len), prefix], dim=1)  # (B, L + S)
     return visible[:, None, None, :].expand(B, 1, canvas_len, visible.shape[1])
 
 
@@ -92,6 +101,10 @@ class KVCache:
 
     Every row has its own length, so a serving engine can hold requests at different points in one
     cache and run any subset of rows (`rows`) through a forward pass.
+
+    Buffer layout per layer: (batch, kv heads, canvas slots + prefix slots, head dim); the canvas slots
+    (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `decoder_keys`.
+    Full layers keep only `keys` (the raw K = V projection); their `values` entry is None.
     """
 
     def __init__(
@@ -108,17 +121,22 @@ class KVCache:
         self.batch_size = batch_size
         self.max_length = max_length
         self.row_lengths = [0] * batch_size  # positions encoded so far per row (== next position)
+        self.keep_all = keep_all
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
-        self.capacity = {False: max_length, True: sliding_slots}  # keyed by is_sliding
+        self.capacity = {False: max_length, True: sliding_slots}  # prefix slots, keyed by is_sliding
+        self.canvas_slots = 0 if keep_all else config.canvas_length
+        self.memo: dict = {}  # decoder masks and RoPE tables per (rows, lengths); cleared when slots change
+        self._rows_seen: tuple = (None, None)
         self.slot_pos = {
             s: torch.full((batch_size, n), -1, dtype=torch.long, device=device) for s, n in self.capacity.items()
         }
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for i in range(config.num_layers):
-            shape = (batch_size, config.layer_kv_heads(i), self.capacity[config.is_sliding(i)], config.layer_head_dim(i))
+            slots = self.canvas_slots + self.capacity[config.is_sliding(i)]
+            shape = (batch_size, config.layer_kv_heads(i), slots, config.layer_head_dim(i))
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device) if config.is_sliding(i) else None)
 
     @property
     def device(self):
@@ -141,36 +159,68 @@ class KVCache:
         """Leading slots that may hold something for these rows (slots fill 0, 1, ... before a ring wraps)."""
         return min(max(self.row_lengths[r] for r in self._row_list(rows)), self.capacity[sliding])
 
-    def view(self, layer: int, sliding: bool, rows: torch.Tensor | None):
-        """(keys, values, slot positions) of `rows`, cut to the slots in use."""
-        n = self.filled(sliding, rows)
-        k, v, pos = self.keys[layer][:, :, :n], self.values[layer][:, :, :n], self.slot_pos[sliding][:, :n]
+    def _rows_index(self, rows: torch.Tensor | None):
+        """`rows` as an index: a slice when they are consecutive (a view, no copy), else the tensor."""
         if rows is None:
-            return k, v, pos
-        return k[rows], v[rows], pos[rows]
+            return slice(None)
+        if self._rows_seen[0] is rows:  # one forward asks for the same rows tensor in every layer
+            return self._rows_seen[1]
+        first, n = int(rows[0]), rows.shape[0]
+        index = rows
+        if bool((rows == torch.arange(first, first + n, device=rows.device)).all()):
+            index = slice(first, first + n)
+        self._rows_seen = (rows, index)
+        return index
+
+    def view(self, layer: int, sliding: bool, rows: torch.Tensor | None):
+        """(keys, values or None, slot positions) of `rows`, cut to the prefix slots in use."""
+        n, c = self.filled(sliding, rows), self.canvas_slots
+        idx = self._rows_index(rows)
+        values = self.values[layer]
+        return (self.keys[layer][idx, :, c : c + n], None if values is None else values[idx, :, c : c + n],
+                self.slot_pos[sliding][idx, :n])
+
+    def decoder_keys(self, layer: int, sliding: bool, rows: torch.Tensor | None, k: torch.Tensor, v):
+        """The canvas's own entries k, v (n, Hkv, L, D; v None on full layers), then the rows' prefix
+        slots -> entries over (n, Hkv, L + S, D).
+
+        A generation cache writes the canvas into its reserved slots and returns a view (a copy only for
+        rows that are not consecutive); a keep_all cache (training) or a forward that needs gradients
+        through k, v concatenates instead. The prefix slots are never modified.
+        """
+        old_k, old_v, _ = self.view(layer, sliding, rows)
+        L = k.shape[2]
+        if L != self.canvas_slots or k.requires_grad:
+            return torch.cat([k, old_k], dim=2), None if v is None else torch.cat([v, old_v], dim=2)
+        idx, end = self._rows_index(rows), L + old_k.shape[2]
+        self.keys[layer][idx, :, :L] = k
+        if v is None:
+            return self.keys[layer][idx, :, :end], None
+        self.values[layer][idx, :, :L] = v
+        return self.keys[layer][idx, :, :end], self.values[layer][idx, :, :end]
 
     def cached_positions(self, sliding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
-        n = self.filled(sliding, rows)
-        pos = self.slot_pos[sliding][:, :n]
-        return pos if rows is None else pos[rows]
+        return self.slot_pos[sliding][self._rows_index(rows), : self.filled(sliding, rows)]
 
     def check_room(self, new_len: int, rows: torch.Tensor | None = None):
         longest = max(self.row_lengths[r] for r in self._row_list(rows))
         if longest + new_len > self.max_length:
             raise ValueError(f"cache full: {longest} + {new_len} tokens exceed max_length={self.max_length}")
 
-    def write(self, layer: int, sliding: bool, rows, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (n, Hkv, T, D) of tokens at `positions` (n, T); a ring keeps only the last slots."""
+    def write(self, layer: int, sliding: bool, rows, positions: torch.Tensor, k: torch.Tensor, v):
+        """Store k, v (n, Hkv, T, D; v None on full layers) of tokens at `positions` (n, T); a ring keeps
+        only the last slots."""
         keep = min(positions.shape[1], self.capacity[sliding])
-        slots = positions[:, -keep:] % self.capacity[sliding]  # (n, keep)
+        slots = self.canvas_slots + positions[:, -keep:] % self.capacity[sliding]  # (n, keep)
         row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
         new_k = k[:, :, -keep:].transpose(1, 2).to(self.keys[layer].dtype)  # (n, keep, Hkv, D)
-        new_v = v[:, :, -keep:].transpose(1, 2).to(self.values[layer].dtype)
         self.keys[layer][row_idx[:, None], :, slots] = new_k
-        self.values[layer][row_idx[:, None], :, slots] = new_v
+        if v is not None:
+            self.values[layer][row_idx[:, None], :, slots] = v[:, :, -keep:].transpose(1, 2).to(self.values[layer].dtype)
 
     def commit_positions(self, rows, positions: torch.Tensor, valid: torch.Tensor):
         """Record the positions of a block just written (n, T); padding gets -1. Advances the rows' lengths."""
+        self.memo.clear()
         pos = torch.where(valid, positions, torch.full_like(positions, -1))
         row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
         for sliding in (False, True):
@@ -182,6 +232,7 @@ class KVCache:
 
     def reset_rows(self, rows: list[int]):
         """Free rows for new requests (their old slots become invisible)."""
+        self.memo.clear()
         for r in rows:
             self.row_lengths[r] = 0
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -189,4 +240,4 @@ class KVCache:
             p[idx] = -1
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)

@@ -78,14 +78,27 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (B, T, H) -> q (B, Hq, T, D), k and v (B, Hkv, T, D)."""
+        """x (B, T, H) -> q (B, Hq, T, D) and the tokens' cache entries (k, v), each (B, Hkv, T, D).
+
+        Sliding layers: finished keys and values. Full layers (K = V): the raw projection, and v None;
+        `keys_values` turns entries into keys and values when attending.
+        """
         B, T, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)), cos, sin)
         k_raw = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v_raw = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        if self.v_proj is None:
+            return q.transpose(1, 2), k_raw.transpose(1, 2), None
         k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v_raw)
+        v = self.v_norm(self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor | None, key_rope):
+        """Cache entries over S keys -> keys, values (B, Hkv, S, D). key_rope: cos, sin (B, S, 1, D) of
+        the keys' positions, used on full layers only (raw K = V entries get k_norm + RoPE and v_norm)."""
+        if v is not None:
+            return k, v
+        cos, sin = (t.transpose(1, 2) for t in key_rope)  # (B, 1, S, D) for the (B, Hkv, S, D) layout
+        return apply_rope(self.k_norm(k), cos, sin), self.v_norm(k)
 
     def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool -> (B, T, H)."""
@@ -213,11 +226,13 @@ class Block(nn.Module):
         routed = self.post_feedforward_layernorm_2(routed)
         return (x + self.post_feedforward_layernorm(dense + routed)) * self.layer_scalar
 
-    def forward(self, x, cos, sin, mask, old_k, old_v):
-        """Attend to [old keys ; own keys]. Returns the new residual and this block's own k, v."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        keys = torch.cat([old_k, k], dim=2) if old_k.shape[2] else k
-        values = torch.cat([old_v, v], dim=2) if old_v.shape[2] else v
+    def forward(self, x, rope, key_rope, mask, entries_with):
+        """rope: cos, sin (B, T, 1, D) of the new tokens; key_rope: the same for every key (full layers).
+        `entries_with(k, v)` places this block's own cache entries among the cached ones (the encoder:
+        after the prefix; the decoder: the canvas before it) in the order `mask` and `key_rope` expect.
+        Returns the new residual and this block's own entries k, v (v None on full layers)."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x), *rope)
+        keys, values = self.self_attn.keys_values(*entries_with(k, v), key_rope)
         x = x + self.post_attention_layernorm(self.self_attn.attend(q, keys, values, mask))
         return self.feed_forward(x), k, v
 
@@ -347,17 +362,21 @@ class DiffusionGemma(nn.Module):
         positions = cache.lengths(rows)[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
         key_pos = torch.where(valid, positions, torch.full_like(positions, -1))
         rope = self._rope(positions)
-        masks = {}
+        masks, key_positions = {}, {}
         for sliding in (False, True):
-            old = cache.cached_positions(sliding, rows)
+            key_positions[sliding] = torch.cat([cache.cached_positions(sliding, rows), key_pos], dim=1)  # (B, S+T)
             window = self.config.sliding_window if sliding else None
-            masks[sliding] = causal_mask(positions, torch.cat([old, key_pos], dim=1), window)
+            masks[sliding] = causal_mask(positions, key_positions[sliding], window)
+        key_rope = {False: rope_tables(key_positions[False], self.inv_freq(False), self.dtype), True: None}
+
+        def after_prefix(old_k, old_v):
+            return lambda k, v: (torch.cat([old_k, k], dim=2), None if v is None else torch.cat([old_v, v], dim=2))
 
         x = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
             old_k, old_v, _ = cache.view(i, s, rows)
-            x, k, v = block(x, *rope[s], masks[s], old_k, old_v)
+            x, k, v = block(x, rope[s], key_rope[s], masks[s], after_prefix(old_k, old_v))
             cache.write(i, s, rows, positions, k, v)
         cache.commit_positions(rows, positions, valid)
         if return_hidden:
@@ -393,15 +412,14 @@ class DiffusionGemma(nn.Module):
         (B, L, H) made earlier with `soft_embedding()` / `soft_embedding_from_probs()`.
         """
         B, L = canvas_ids.shape
-        device = canvas_ids.device
-        if prefix_length is None:
-            prefix_length = cache.lengths(rows)
-        positions = prefix_length[:, None] + torch.arange(L, device=device)  # (B, L)
-        rope = self._rope(positions)
-        masks = {
-            s: canvas_mask(cache.cached_positions(s, rows), prefix_length, L, self.config.sliding_window if s else None)
-            for s in (False, True)
-        }
+        if prefix_length is None:  # generation: the same tables for every step of a canvas
+            row_list = cache._row_list(rows)
+            key = (L, tuple(row_list), tuple(cache.row_lengths[r] for r in row_list))
+            if key not in cache.memo:
+                cache.memo[key] = self._canvas_tables(cache, cache.lengths(rows), L, rows)
+            rope, key_rope, masks = cache.memo[key]
+        else:
+            rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
 
         soft = soft_embedding
         if self_conditioning_logits is not None:
@@ -413,9 +431,19 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            old_k, old_v, _ = cache.view(i, s, rows)
-            x, _, _ = block(x, *rope[s], masks[s], old_k, old_v)
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], lambda k, v, i=i, s=s: cache.decoder_keys(i, s, rows, k, v))
         return x if return_hidden else self.head(x)
+
+    def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows):
+        """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of
+        every key in [canvas | cached slots] order (full layers), and the masks."""
+        positions = prefix_length[:, None] + torch.arange(L, device=prefix_length.device)  # (B, L)
+        window = self.config.sliding_window
+        masks = {s: canvas_mask(cache.cached_positions(s, rows), prefix_length, L, window if s else None)
+                 for s in (False, True)}
+        full_keys = torch.cat([positions, cache.cached_positions(False, rows)], dim=1)  # (B, L + S)
+        key_rope = {False: rope_tables(full_keys, self.inv_freq(False), self.dtype), True: None}
+        return self._rope(positions), key_rope, masks
 
     # -- checkpoint ---------------------------------------------------------------------------
     def save_pretrained(self, out_dir, *, max_shard_bytes: int | None = None):
