@@ -201,6 +201,14 @@ def test_batched_experts_equal_one_matmul_per_expert(adapted):
         experts.max_padding = 1.5
         torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
     assert calls == ["loop", "loop", "loop"]  # forced twice, and the skewed routing chose it itself
+    if not adapted:  # the CUDA path, grouped GEMM, through torch's CPU implementation of it
+        for choice in (balanced, skewed):
+            N, k = choice.shape
+            order = choice.reshape(-1).argsort(stable=True)
+            counts = torch.bincount(choice.reshape(-1), minlength=E)
+            grouped = experts._grouped(x[order // k], counts)
+            torch.testing.assert_close(grouped, experts._per_expert(x[order // k], counts.tolist()),
+                                       rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -49,6 +49,8 @@ class LoRALinear(nn.Module):
 class LoRAExperts(Experts):
     """Fused experts with per-expert adapters: gate_up (E, 2I, H) += scale * B_gu[e] @ A_gu[e], same for down."""
 
+    grouped = False  # the adapter term is added in `project`, on the padded grid
+
     def __init__(self, base: Experts, rank: int, alpha: float):
         nn.Module.__init__(self)
         self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj  # shared, frozen
