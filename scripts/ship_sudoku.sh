@@ -3,7 +3,8 @@
 # measure it on the held-out bucket sets: plain and clamped decoding, per bucket, JSON kept beside it.
 #   scripts/ship_sudoku.sh runs/sudoku-diffusion/checkpoints/step-N [runs/sudoku-ar/checkpoints/step-M/model]
 # COMPARE=runs/sudoku-diffusion/checkpoints/step-M/model also measures the diffusion model at the AR step count
-# (set COMPARE_STEP and AR_STEP to label the table).
+# (set COMPARE_STEP and AR_STEP to label the table). CURVE=runs/curve adds the learning curve: the eval
+# JSONs of earlier checkpoints (<diffusion|ar>-<step>-<bucket>.json) plus this model's, plotted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CKPT=${1:?checkpoint folder}
@@ -38,4 +39,15 @@ for bucket in easy medium hard; do
   fi
 done
 python scripts/sudoku_results.py "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > "$DEST/RESULTS.md"
+if [ -n "${CURVE:-}" ]; then
+  mkdir -p "$DEST/eval/curve" && cp "$CURVE"/*.json "$DEST/eval/curve/"
+  STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'])")
+  for b in easy medium; do
+    cp "$DEST/eval/diffusion-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
+    if [ -n "$AR" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
+    if [ -n "${COMPARE:-}" ]; then cp "$DEST/eval/diffusion-compare-$b.json" "$DEST/eval/curve/diffusion-$COMPARE_STEP-$b.json"; fi
+  done
+  { printf '\n## Learning curve\n\n![learning curve](learning-curve.png)\n\n'
+    python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}"; } >> "$DEST/RESULTS.md"
+fi
 ls -la "$DEST" "$DEST/eval"

@@ -4,7 +4,7 @@
 
 EVAL_DIR holds `dgemma sudoku eval` JSON lines named `<diffusion|ar>-<step>-<bucket>.json`. Prints a
 markdown table (Wilson 95% intervals) and draws the plot, with the issue's bars (easy 95%, medium 80%).
-SECONDS_PER_STEP (measured on the training machine) adds the CPU cost of each point to the table.
+SECONDS_PER_STEP (wall-clock, measured on the 2-core training machine) adds each point's cost.
 """
 
 import json
@@ -58,13 +58,13 @@ def main():
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
-    print("| model | step | bucket | solved | accuracy (95% Wilson) |" + (" CPU cost |" if seconds_per_step else ""))
+    print("| model | step | bucket | solved | accuracy (95% Wilson) |" + (" training time, 2 cores |" if seconds_per_step else ""))
     print("|---|---|---|---|---|" + ("---|" if seconds_per_step else ""))
     for (system, bucket), by_step in sorted(points.items()):
         for step in sorted(by_step):
             r = by_step[step]
             lo, hi = r["ci95"]
-            cost = f" {step * seconds_per_step / 3600:.1f} core-h |" if seconds_per_step else ""
+            cost = f" {step * seconds_per_step / 3600:.1f} h |" if seconds_per_step else ""
             print(f"| {system} | {step} | {bucket} | {r['solved']}/{r['total']} | "
                   f"{r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] |{cost}")
 

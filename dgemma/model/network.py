@@ -169,7 +169,7 @@ class Experts(nn.Module):
         if self.batched and self.grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             sorted_out = self._grouped(x[token_of], counts)
         elif self.batched and num_experts * int(counts.max()) <= self.max_padding * N * k:
-            sorted_out = self._batched(x[token_of], flat_expert[order], counts, int(counts.max()))
+            sorted_out = self._batched(x[token_of], flat_expert[order], counts, _round_up(int(counts.max())))
         else:
             sorted_out = self._per_expert(x[token_of], counts.tolist())
         # back to (token, choice) order, then the routing-weighted sum over the k choices
@@ -206,6 +206,14 @@ class Experts(nn.Module):
             sorted_out[start : start + n] = F.linear(gelu(gate) * up, down)
             start += n
         return sorted_out
+
+
+def _round_up(n: int) -> int:
+    """n rounded up to a multiple of a power of two no larger than n / 8 (at most 12.5% more from 64 on, 8-row steps below): a few
+    grid shapes instead of one per routing outcome, which keeps the CPU allocator from fragmenting
+    (measured: a training process grew from 4 to 9 GB with exact sizes)."""
+    unit = max(8, 1 << max(0, n.bit_length() - 4))
+    return -(-n // unit) * unit
 
 
 class Block(nn.Module):
