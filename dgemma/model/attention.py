@@ -121,7 +121,6 @@ class KVCache:
         self.batch_size = batch_size
         self.max_length = max_length
         self.row_lengths = [0] * batch_size  # positions encoded so far per row (== next position)
-        self.keep_all = keep_all
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
         self.capacity = {False: max_length, True: sliding_slots}  # prefix slots, keyed by is_sliding
         self.canvas_slots = 0 if keep_all else config.canvas_length
