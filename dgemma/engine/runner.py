@@ -8,6 +8,7 @@ import torch
 # so the temporaries stay (chunk, V) next to the one (B, L, V) buffer.
 SOFT_CHUNK_ELEMENTS = 1 << 24
 
+
 class Runner:
     def __init__(self, model, max_batch: int, max_length: int):
         self.model = model

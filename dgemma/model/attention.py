@@ -124,7 +124,7 @@ class KVCache:
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
         self.capacity = {False: max_length, True: sliding_slots}  # prefix slots, keyed by is_sliding
         self.canvas_slots = 0 if keep_all else config.canvas_length
-        self.memo: dict = {}  # decoder masks and RoPE tables per (rows, lengths); cleared when slots change
+        self._memo: dict = {}  # see `memoized`; cleared whenever slots or lengths change
         self._rows_seen: tuple = (None, None)
         self.slot_pos = {
             s: torch.full((batch_size, n), -1, dtype=torch.long, device=device) for s, n in self.capacity.items()
@@ -157,6 +157,15 @@ class KVCache:
     def filled(self, sliding: bool, rows: torch.Tensor | None = None) -> int:
         """Leading slots that may hold something for these rows (slots fill 0, 1, ... before a ring wraps)."""
         return min(max(self.row_lengths[r] for r in self._row_list(rows)), self.capacity[sliding])
+
+    def memoized(self, name, rows: torch.Tensor | None, build):
+        """`build()` once per (name, rows, their lengths) until the cache's slots change: what depends on
+        positions alone, like a canvas's masks and RoPE tables, is made once per canvas, not per step."""
+        row_list = self._row_list(rows)
+        key = (name, tuple(row_list), tuple(self.row_lengths[r] for r in row_list))
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def _rows_index(self, rows: torch.Tensor | None):
         """`rows` as an index: a slice when they are consecutive (a view, no copy), else the tensor."""
@@ -219,7 +228,7 @@ class KVCache:
 
     def commit_positions(self, rows, positions: torch.Tensor, valid: torch.Tensor):
         """Record the positions of a block just written (n, T); padding gets -1. Advances the rows' lengths."""
-        self.memo.clear()
+        self._memo.clear()
         pos = torch.where(valid, positions, torch.full_like(positions, -1))
         row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
         for sliding in (False, True):
@@ -231,7 +240,7 @@ class KVCache:
 
     def reset_rows(self, rows: list[int]):
         """Free rows for new requests (their old slots become invisible)."""
-        self.memo.clear()
+        self._memo.clear()
         for r in rows:
             self.row_lengths[r] = 0
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
