@@ -329,3 +329,46 @@ def test_text_and_chat_records_train_with_the_chat_template(tmp_path):
         model_overrides=dict(vocab_size=32, hidden_size=32, num_layers=2, canvas_length=8), steps=3, batch_size=4,
         save_every=3, precision="bf16", progress=False)).final_loss)
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()  # exported with the tokenizer
+
+
+def test_until_stops_early_on_the_full_schedule_and_resumes_to_the_same_weights(tmp_path):
+    """--until N ends a run at step N with a checkpoint, its learning rate still following --steps; a
+    resume runs on to the end and lands on the weights of an uninterrupted run."""
+    whole = train(task_config(tmp_path, "whole", steps=8, log_every=1, save_every=100))
+    part = train(task_config(tmp_path, "split", steps=8, until=3, log_every=1, save_every=100))
+    assert part.steps == 3 and [m["step"] for m in part.metrics] == [1, 2, 3]
+    assert [m["lr"] for m in part.metrics] == [m["lr"] for m in whole.metrics[:3]]
+    assert (tmp_path / "split" / "checkpoints" / "step-0000003").is_dir()
+    rest = train(task_config(tmp_path, "split", steps=8, log_every=1, save_every=100, resume=True))
+    assert [m["loss"] for m in rest.metrics] == [m["loss"] for m in whole.metrics]
+    a, b = (dgemma.load_model(tmp_path / name / "model").state_dict() for name in ("whole", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sudoku_augmentation_draws_a_fresh_valid_symmetry_per_example_and_step(tmp_path):
+    from dgemma.tasks import sudoku as S
+    from dgemma.training.data import ExampleStream, read_examples
+
+    examples = S.generate_examples(3, seed=5)
+    data = write_jsonl(tmp_path / "sudoku.jsonl", [
+        {"prompt_ids": S.encode_prompt(e.puzzle), "response_ids": S.encode_solution(e.solution)} for e in examples])
+    dataset = load_jsonl(data, vocab_size=16, canvas_length=81, max_length=256)
+    stream = ExampleStream(len(dataset), seed=0)
+    first = read_examples(dataset, stream, list(range(6)), augment="sudoku", seed=0)
+    assert read_examples(dataset, stream, list(range(6)), augment="sudoku", seed=0) == first  # pure in (seed, n)
+    assert read_examples(dataset, stream, list(range(6)), augment="sudoku", seed=1) != first
+    plain = read_examples(dataset, stream, list(range(6)))
+    for ex, original in zip(first, plain):
+        puzzle, solution = S.decode_prompt(ex.prompt), S.decode_canvas(ex.response)
+        assert S.is_valid_solution(puzzle, solution)
+        assert S.are_equivalent(puzzle, S.decode_prompt(original.prompt))
+    # a puzzle met again in the next epoch is transformed afresh
+    again = [(a, b) for a in range(6) for b in range(a + 1, 6) if stream.index(a) == stream.index(b)]
+    assert len(again) == 3 and all(first[a].prompt != first[b].prompt for a, b in again)
+
+    not_sudoku = write_jsonl(tmp_path / "other.jsonl", reversal_records(4))
+    other = load_jsonl(not_sudoku, vocab_size=16, canvas_length=8, max_length=64)
+    with pytest.raises(DataError, match=r"line \d+: --augment sudoku: not a sudoku example"):
+        read_examples(other, ExampleStream(4, 0), [0], augment="sudoku")
+    with pytest.raises(ConfigError, match="--augment must be one of sudoku"):
+        task_config(tmp_path, "x", augment="rotate").check(1)

@@ -27,11 +27,15 @@ def add_arguments(p):
                       help="tokenise prompt/response records as plain text (BOS + prompt, response + EOS)")
     data.add_argument("--max-length", type=int, help="longest prompt + filled response (default: model context)")
     data.add_argument("--eos-id", type=int, help="token that fills the response to a canvas boundary")
+    data.add_argument("--augment", choices=["sudoku"],
+                      help="draw a fresh random transform of every example at every step (sudoku: a symmetry)")
     data.add_argument("--skip-bad-lines", action="store_true",
                       help="leave out malformed lines (reported on stderr) instead of stopping at the first")
 
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    opt.add_argument("--until", type=int, metavar="STEP",
+                     help="stop after this step with a checkpoint, keeping the --steps schedule (resume to go on)")
     opt.add_argument("--batch-size", type=int, default=8, help="global examples per step (default 8)")
     opt.add_argument("--micro-batch-size", type=int, help="examples per process and forward (gradient accumulation)")
     opt.add_argument("--lr", type=float, default=1.5e-4, help="peak learning rate (default 1.5e-4)")
@@ -84,7 +88,8 @@ def config_from_args(args):
         train_router=args.train_router, lora=args.lora, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=(DEFAULT_TARGETS if args.lora_targets is None
                       else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())),
-        lora_dropout=args.lora_dropout, max_length=args.max_length, eos_id=args.eos_id,
+        lora_dropout=args.lora_dropout, max_length=args.max_length, eos_id=args.eos_id, augment=args.augment,
+        until=args.until,
         skip_bad_lines=args.skip_bad_lines, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         log_every=args.log_every, resume=args.resume, device=args.device, progress=args.progress,
     )

@@ -53,7 +53,8 @@ __all__ = [
     "is_valid_solution", "solution_errors", "propagate_singles", "is_singles_solvable",
     "generate_puzzle", "random_solution", "random_transform", "transpose", "canonical_form",
     "are_equivalent", "parse_puzzle", "read_puzzle_file", "write_examples", "format_grid",
-    "grid_to_string", "encode_prompt", "encode_solution", "decode_canvas", "wilson_interval",
+    "grid_to_string", "encode_prompt", "encode_solution", "decode_prompt", "decode_canvas",
+    "random_symmetry_ids", "wilson_interval",
     "score", "generate_examples", "make_split", "make_bucket_test_sets", "write_split",
 ]
 
@@ -217,6 +218,29 @@ def encode_solution(grid: Sequence[int]) -> list[int]:
     if 0 in grid:
         raise ValueError("a solution canvas needs all 81 cells filled")
     return [SudokuVocab.digit_id(v) for v in grid]
+
+
+def decode_prompt(tokens: Sequence[int]) -> Grid | None:
+    """The inverse of `encode_prompt`; None unless it is [BOS] + 81 cell tokens."""
+    ids = [int(t) for t in tokens]
+    if len(ids) != 82 or ids[0] != SudokuVocab.BOS:
+        return None
+    if any(t != SudokuVocab.BLANK and t not in SudokuVocab.DIGIT_IDS for t in ids[1:]):
+        return None
+    return tuple(0 if t == SudokuVocab.BLANK else t - 3 for t in ids[1:])
+
+
+def random_symmetry_ids(prompt: Sequence[int], response: Sequence[int], rng: random.Random) -> tuple[list[int], list[int]]:
+    """Training augmentation on token ids: one uniformly random symmetry applied to puzzle and solution.
+
+    A symmetry maps a unique-solution puzzle to one (with the image of the solution), and its orbit is
+    what the train/test split is deduplicated by, so no draw can reproduce a held-out puzzle.
+    """
+    puzzle, solution = decode_prompt(prompt), decode_canvas(response)
+    if puzzle is None or solution is None or 0 in solution:
+        raise ValueError("not a sudoku example ([BOS] + 81 cells prompt, 81-digit answer)")
+    t = random_transform(rng)
+    return encode_prompt(t.apply(puzzle)), encode_solution(t.apply(solution))
 
 
 def decode_canvas(tokens: Iterable[int]) -> Grid | None:

@@ -17,8 +17,10 @@ micro-batches reads the same examples.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import random
 import sys
 from array import array
 from dataclasses import dataclass
@@ -230,6 +232,36 @@ class ExampleStream:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.size, generator=gen).tolist()
         return self._perm[n % self.size]
+
+
+# Named per-example augmentations: "module:function", function(prompt, response, rng) -> (prompt, response),
+# raising ValueError for an example it cannot transform. Drawn afresh for every example at every step.
+AUGMENTATIONS = {
+    "sudoku": "dgemma.tasks.sudoku:random_symmetry_ids",  # one of the 1.2e12 validity-preserving symmetries
+}
+
+
+def read_examples(dataset: TokenizedDataset, stream: ExampleStream, positions: list[int], *,
+                  augment: str | None = None, seed: int = 0) -> list[Example]:
+    """The examples at these stream positions; with `augment`, each transformed by its own draw.
+
+    The draw is seeded by (seed, stream position), like the noise, so a resumed or sharded run sees the
+    same transformed examples as an uninterrupted one.
+    """
+    indices = [stream.index(n) for n in positions]
+    examples = [dataset[i] for i in indices]
+    if augment is None:
+        return examples
+    module, name = AUGMENTATIONS[augment].split(":")
+    transform = getattr(importlib.import_module(module), name)
+    out = []
+    for ex, i, n in zip(examples, indices, positions):
+        try:
+            prompt, response = transform(ex.prompt, ex.response, random.Random(f"augment:{seed}:{n}"))
+        except ValueError as e:
+            raise DataError(f"line {dataset.lines[i]}: --augment {augment}: {e}") from None
+        out.append(Example(prompt, response))
+    return out
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 from dgemma.config import ConfigError
 from dgemma.training import distributed as D
-from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl
+from dgemma.training.data import AUGMENTATIONS, ExampleStream, TextEncoder, collate, load_jsonl, read_examples
 from dgemma.training.lora import DEFAULT_TARGETS
 from dgemma.training.model_setup import (
     build_model,
@@ -57,7 +57,8 @@ class TrainConfig:
     tokenizer: str | None = None  # folder with tokenizer.json (default: the --model folder)
     chat_template: bool = True  # render prompt/response records with the chat template when there is one
     objective: str = "diffusion"  # "diffusion" (DiffusionGemma) or "ar" (the autoregressive baseline)
-    steps: int = 1000
+    steps: int = 1000  # length of the learning-rate schedule
+    until: int | None = None  # stop (with a checkpoint) after this step, keeping the schedule of `steps`
     batch_size: int = 8  # global: examples per optimizer step, over all processes
     micro_batch_size: int | None = None  # per process and forward pass (default: all of its share)
     lr: float = 1.5e-4
@@ -79,6 +80,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     max_length: int | None = None  # longest [prompt ; response ; fill] (default: the model's context)
     eos_id: int | None = None  # canvas fill token (default: the model's eos_token_id)
+    augment: str | None = None  # a per-example random transform drawn at every step (see AUGMENTATIONS)
     skip_bad_lines: bool = False
     save_every: int = 500
     keep_checkpoints: int = 2
@@ -89,7 +91,7 @@ class TrainConfig:
 
     # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
     RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
-                         "micro_batch_size", "device", "skip_bad_lines")
+                         "micro_batch_size", "device", "skip_bad_lines", "until")
 
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -99,6 +101,9 @@ class TrainConfig:
             (self.objective in ("diffusion", "ar"), f"objective must be 'diffusion' or 'ar', not {self.objective!r}"),
             (self.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', not {self.precision!r}"),
             (self.steps >= 1, "--steps must be >= 1"),
+            (self.until is None or 1 <= self.until <= self.steps, "--until must be between 1 and --steps"),
+            (self.augment is None or self.augment in AUGMENTATIONS,
+             f"--augment must be one of {', '.join(AUGMENTATIONS)}, not {self.augment!r}"),
             (self.lr > 0 and (self.min_lr is None or 0 <= self.min_lr <= self.lr), "need lr > 0 and 0 <= min-lr <= lr"),
             (self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup and grad-clip must be >= 0"),
             (0 < self.noise_eps < 1, "noise-eps must be in (0, 1)"),
@@ -261,12 +266,13 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
     params = [p for p in model.parameters() if p.requires_grad]
 
-    progress = Progress(config.steps, start_step, enabled=config.progress and env.is_main)
+    stop = config.until or config.steps
+    progress = Progress(stop, start_step, enabled=config.progress and env.is_main)
     window = torch.zeros(4, dtype=torch.float64)  # summed over the log window: loss, diffusion, ar, tokens
     window_steps, window_t0, t0 = 0, time.perf_counter(), time.perf_counter()
     last_loss = float("nan")
     try:
-        for step in range(start_step, config.steps):
+        for step in range(start_step, stop):
             lr = learning_rate(step, peak=config.lr, floor=floor, warmup=config.warmup_steps, total=config.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -274,7 +280,8 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
             for a in range(share // micro):
                 first = step * G + env.rank * share + a * micro
                 positions = list(range(first, first + micro))
-                batch = collate([dataset[stream.index(n)] for n in positions], positions, canvas_length=L,
+                examples = read_examples(dataset, stream, positions, augment=config.augment, seed=config.seed)
+                batch = collate(examples, positions, canvas_length=L,
                                 pad_id=model_config.pad_token_id, eos_id=eos_id)
                 noise = None
                 if config.objective == "diffusion":
@@ -300,7 +307,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
             window += sums
             window_steps += 1
             done = step + 1
-            if done % config.log_every == 0 or done == config.steps:
+            if done % config.log_every == 0 or done == stop:
                 seconds = time.perf_counter() - window_t0
                 record = {
                     "step": done, "loss": float(window[0] / (G * window_steps)),
@@ -318,7 +325,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
                 window_steps, window_t0 = 0, time.perf_counter()
             else:
                 progress.advance(done)
-            if done % config.save_every == 0 or done == config.steps:
+            if done % config.save_every == 0 or done == stop:
                 save_started = time.perf_counter()
                 trainer_state = {"step": done, "samples_seen": done * G, "config": config.as_json(),
                                  "loss": last_loss}
@@ -333,12 +340,12 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
 
     seconds = time.perf_counter() - t0
     if env.is_main:  # the last step always writes a checkpoint
-        publish(checkpoint_dir(out, config.steps) / "model", out / "model")
+        publish(checkpoint_dir(out, stop) / "model", out / "model")
         plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
         say(f"done: {out / 'model'}")
     D.barrier(env)
     records = metrics.read() if env.is_main else []
     if records:
         last_loss = records[-1]["loss"]
-    ran = config.steps - start_step
-    return TrainResult(config.steps, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))
+    ran = max(stop - start_step, 0)
+    return TrainResult(stop, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))
