@@ -117,3 +117,24 @@ def test_request_too_long_is_refused(model):
     engine = Engine(model, max_batch=1, max_length=64)
     with pytest.raises(ValueError, match="needs 86 positions"):
         engine.submit(Request(prompt=[5] * 22, sampling=_sampling(max_new_tokens=64), seed=0))
+
+
+def test_compiled_decoder_gives_the_same_tokens(model):
+    """`compile_decoder` (torch.compile with the routed experts as one custom op) changes speed, not
+    results: fp32 logits within rounding, and the same tokens as the eager plain loop across canvases,
+    batch sizes and prefix lengths (each a recompile)."""
+    import copy
+
+    compiled = copy.deepcopy(model).compile_decoder()
+    cache_a, cache_b = model.new_cache(1, 64), compiled.new_cache(1, 64)
+    prompt = torch.tensor([PROMPTS[0]])
+    model.encode(prompt, cache_a, return_logits=False)
+    compiled.encode(prompt, cache_b, return_logits=False)
+    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.denoise(canvas, cache_b), model.denoise(canvas, cache_a),
+                                   rtol=1e-4, atol=1e-4)
+    s = _sampling()
+    plain = [generate(model, [p], s, seed=100 + i) for i, p in enumerate(PROMPTS[:3])]
+    requests = Engine(compiled, max_batch=2, max_length=256).generate(PROMPTS[:3], s, seeds=[100, 101, 102])
+    assert [r.tokens for r in requests] == [p.tokens[0] for p in plain]

@@ -24,6 +24,7 @@ def add_arguments(p):
     p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
                    help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile our denoising step (compiled in the warm-up)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
@@ -73,6 +74,8 @@ def run(args):
 
             quantize_model(model, args.quantize)
         name = f"preset {args.config} (random weights)"
+    if args.compile:
+        model.compile_decoder()
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
@@ -155,6 +158,7 @@ def _summary(rows, budgets, name, device, dtype, args, new_tokens):
     out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""),
            "transformers_dtype": args.transformers_dtype, "steps": args.steps,
            "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
+           "compile": args.compile,
            "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
         ratios = {str(b): round(by[("engine-fixed", b)].tokens_per_s / by[(system, b)].tokens_per_s, 3)

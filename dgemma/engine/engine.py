@@ -26,6 +26,7 @@ from dgemma.config import SamplingConfig
 from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
+from dgemma.sampling.sampler import scan_logits
 
 
 class QueueFull(Exception):
@@ -46,6 +47,8 @@ class Engine:
         self.lock = threading.Lock()
         self.wakeup = threading.Event()  # set when work arrives, for a serving loop that sleeps
         self.forwards = 0  # decoder forwards run, for benchmarks
+        # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
+        self.scan = torch.compile(scan_logits, dynamic=True) if model.decoder_compiled else scan_logits
 
     @property
     def max_length(self) -> int:
@@ -164,7 +167,7 @@ class Engine:
             row_logits = logits[i : i + 1]  # a view: the sampler scales it in place
             temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
             result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
-                                  fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens)
+                                  fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
             r.canvas, r.argmax = result.canvas[0], result.argmax[0]
             stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
                                             r.canvas_fixed)

@@ -207,6 +207,18 @@ class KVCache:
         self.values[layer][idx, :, :L] = v
         return self.keys[layer][idx, :, :end], self.values[layer][idx, :, :end]
 
+    def decoder_buffers(self, rows: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per layer, the rows' (keys, values or None) over [canvas slots | prefix slots in use], each
+        (n, Hkv, L + S, D), for `DiffusionGemma.decode_canvas` to write the canvas into. Views of the
+        cache when the rows are consecutive; for other rows a copy (the prefix is only read)."""
+        idx, c = self._rows_index(rows), self.canvas_slots
+        buffers = []
+        for i in range(self.config.num_layers):
+            end = c + self.filled(self.config.is_sliding(i), rows)
+            values = self.values[i]
+            buffers.append((self.keys[i][idx, :, :end], None if values is None else values[idx, :, :end]))
+        return buffers
+
     def cached_positions(self, sliding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.slot_pos[sliding][self._rows_index(rows), : self.filled(sliding, rows)]
 

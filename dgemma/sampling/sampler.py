@@ -103,6 +103,27 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.zeros_like(accepted_sorted).scatter(-1, order, accepted_sorted)
 
 
+def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
+    """One chunk of logits x (n, V), overwritten with softmax(x / T) -> argmax (n,), entropy (n,), and a
+    (n, V) scratch buffer for the sampling that follows.
+
+    With s = x / T (bit-identical to the reference's scaled logits) and m = max(s): e = exp(s - m),
+    Z = sum(e), entropy = log Z - sum(e * (s - m)) / Z (the same number as -sum(p log p), without a
+    log-probability buffer). The elementwise part of the sampler, kept apart so that it can be compiled
+    into a couple of fused loops (`torch.compile(scan_logits)`).
+    """
+    x = x.div_(temperature)
+    argmax = x.argmax(-1)
+    # s - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
+    x.sub_(x.amax(-1, keepdim=True)).clamp_(min=torch.finfo(x.dtype).min)
+    e = torch.exp(x)
+    z = e.sum(-1)
+    expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[s - m]
+    entropy = (z.log() - expected_shift).clamp_(min=0.0)
+    torch.div(e, z[:, None], out=x)  # the buffer now holds the probabilities
+    return argmax, entropy, e
+
+
 @dataclass
 class StepResult:
     canvas: torch.Tensor  # (B, L) long: the next decoder input (accepted samples, the rest re-noised)
@@ -120,14 +141,14 @@ def sampler_step(
     fixed: torch.Tensor | None = None,
     fixed_tokens: torch.Tensor | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    scan=scan_logits,
 ) -> StepResult:
     """The fused sampler step. logits (B, L, V) fp32 is overwritten IN PLACE with softmax(logits / T),
     the probabilities the next step's self-conditioning embeds.
 
-    Per chunk of positions, with x = logits / T (bit-identical to the reference's scaled logits) and
-    m = max(x): e = exp(x - m), Z = sum(e), entropy = log Z - sum(e * (x - m)) / Z (the same number as
-    -sum(p log p), without a log-probability buffer), argmax(x), and a sample by inverse CDF. Only one
-    (chunk, V) temporary is allocated. Canvas templates: `fixed` (B, L) bool marks positions that must
+    Per chunk of positions: `scan` (argmax, entropy and the probabilities, see `scan_logits`; a
+    compiled copy of it may be passed), then a sample by inverse CDF. Only one (chunk, V) temporary is
+    allocated. Canvas templates: `fixed` (B, L) bool marks positions that must
     hold `fixed_tokens` (B, L) long. They are known, so their entropy counts as 0: they use none of the
     entropy budget, are always "accepted", are never re-noised, and their argmax/sample is the fixed
     token. (The self-conditioning probabilities there stay the model's own.)
@@ -137,20 +158,13 @@ def sampler_step(
     entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
     argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
     sampled = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    scale = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)  # a tensor: one compile serves every step
     step = chunk_rows(V, chunk_elements)
     for start in range(0, B * L, step):
         rows = slice(start, start + step)
-        x = flat[rows].div_(temperature)  # (n, V) scaled logits
-        argmax[rows] = x.argmax(-1)
-        # x - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
-        x.sub_(x.amax(-1, keepdim=True)).clamp_(min=torch.finfo(x.dtype).min)
-        e = torch.exp(x)  # the one temporary
-        z = e.sum(-1)
-        expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[x - m]
-        entropy[rows] = (z.log() - expected_shift).clamp_(min=0.0)
-        probs = torch.div(e, z[:, None], out=x)  # the buffer now holds the probabilities
-        sampled[rows] = _inverse_cdf(probs, e, generator)
-        del e
+        argmax[rows], entropy[rows], scratch = scan(flat[rows], scale)
+        sampled[rows] = _inverse_cdf(flat[rows], scratch, generator)
+        del scratch
     entropy, argmax, sampled = entropy.view(B, L), argmax.view(B, L), sampled.view(B, L)
     noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
 
