@@ -42,7 +42,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 @dataclass
 class Measurement:
-    system: str  # "engine-fixed" | "engine-adaptive" | "transformers" | "ar"
+    system: str  # "engine-fixed" | "engine-adaptive" | "engine-compiled" | "transformers" | "ar"
     batch: int
     tokens_per_s: float
     ms_per_step: float | None  # decoder forward + sampling, per denoising step (whole batch)

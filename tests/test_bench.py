@@ -26,3 +26,16 @@ def test_tiny_bench_prints_json(tmp_path):
 def test_bench_rejects_bad_batch():
     proc = subprocess.run([sys.executable, "-m", "dgemma", "bench", "--batch", "one"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--batch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compiled_bench_reports_both_engines():
+    proc = subprocess.run(
+        [sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--batch", "1", "--steps", "2", "--repeats", "1",
+         "--prompt-len", "8", "--compile", "--no-transformers", "--no-adaptive"],
+        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["system"] for r in result["results"]} == {"engine-fixed", "engine-compiled", "ar"}
+    assert result["compile"] and result["speedup_vs_ar"] > 0 and result["speedup_vs_ar_eager"] > 0
+    assert "compiled_within_budget" in result["memory"]["1"]

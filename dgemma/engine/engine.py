@@ -173,14 +173,16 @@ class Engine:
                                             r.canvas_fixed)
             r.step_index += 1
             r.forward_passes += 1
-            # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
-            # sampler left it in the buffer), kept as an embedding so the buffer can go
-            r.soft = self.runner.soft_embedding(row_logits[0])
+            finished = r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps)
+            if not finished:
+                # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
+                # sampler left it in the buffer), kept as an embedding so the buffer can go
+                r.soft = self.runner.soft_embedding(row_logits[0])
             if r.want_drafts:
                 r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,
                              tokens=r.argmax.tolist(), entropy=result.entropy[0].tolist(),
                              accepted=result.accepted[0].tolist()))
-            if r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps):
+            if finished:
                 finished_canvases.append(r)
         del logits
         if finished_canvases:
