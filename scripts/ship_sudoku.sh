@@ -5,6 +5,8 @@
 # COMPARE=runs/sudoku-diffusion/checkpoints/step-M/model also measures the diffusion model at the AR step count
 # (set COMPARE_STEP and AR_STEP to label the table). CURVE=runs/curve adds the learning curve: the eval
 # JSONs of earlier checkpoints (<diffusion|ar>-<step>-<bucket>.json) plus this model's, plotted.
+# A second-stage checkpoint: STAGE1=<stage 1 run folder> and STEP_OFFSET=<stage 1's last step> count its
+# steps from the start of stage 1 and join both stages' training logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CKPT=${1:?checkpoint folder}
@@ -15,9 +17,26 @@ rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp/eval"
 cp "$CKPT"/model/config.json "$CKPT"/model/generation_config.json "$CKPT"/model/model.safetensors "$DEST.tmp/"
 echo '{"task": "sudoku"}' > "$DEST.tmp/dgemma_task.json"
 RUN=$(dirname "$(dirname "$CKPT")")
-cp "$RUN/metrics.jsonl" "$DEST.tmp/training-metrics.jsonl"
-[ -f "$RUN/loss.png" ] && cp "$RUN/loss.png" "$DEST.tmp/loss.png"
+OFFSET=${STEP_OFFSET:-0}
 cp "$CKPT/trainer_state.json" "$DEST.tmp/trainer_state.json"
+if [ -n "${STAGE1:-}" ]; then
+  cp "$STAGE1/checkpoints/step-$(printf %07d "$OFFSET")/trainer_state.json" "$DEST.tmp/trainer_state-stage1.json"
+  python - "$STAGE1/metrics.jsonl" "$RUN/metrics.jsonl" "$OFFSET" "$DEST.tmp" <<'PY'
+import json, sys
+from pathlib import Path
+from dgemma.training.progress import plot_loss
+first, second, offset, dest = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+rows = [dict(json.loads(l), stage=1) for l in first.read_text().splitlines() if l.strip()]
+rows = [r for r in rows if r["step"] <= offset]
+rows += [dict(json.loads(l), stage=2, step=json.loads(l)["step"] + offset, stage_step=json.loads(l)["step"])
+         for l in second.read_text().splitlines() if l.strip()]
+(dest / "training-metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+plot_loss(rows, dest / "loss.png", title=f"diffusion training loss (stage 2 from step {offset})")
+PY
+else
+  cp "$RUN/metrics.jsonl" "$DEST.tmp/training-metrics.jsonl"
+  [ -f "$RUN/loss.png" ] && cp "$RUN/loss.png" "$DEST.tmp/loss.png"
+fi
 cp scripts/train_sudoku.sh scripts/sudoku-model.json "$DEST.tmp/"
 rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
 for bucket in easy medium hard; do
@@ -41,13 +60,14 @@ done
 python scripts/sudoku_results.py "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > "$DEST/RESULTS.md"
 if [ -n "${CURVE:-}" ]; then
   mkdir -p "$DEST/eval/curve" && cp "$CURVE"/*.json "$DEST/eval/curve/"
-  STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'])")
+  STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'] + $OFFSET)")
   for b in easy medium; do
     cp "$DEST/eval/diffusion-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
     if [ -n "$AR" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
     if [ -n "${COMPARE:-}" ]; then cp "$DEST/eval/diffusion-compare-$b.json" "$DEST/eval/curve/diffusion-$COMPARE_STEP-$b.json"; fi
   done
   { printf '\n## Learning curve\n\n![learning curve](learning-curve.png)\n\n'
-    python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}"; } >> "$DEST/RESULTS.md"
+    python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}" \
+      ${STAGE1:+"$OFFSET"}; } >> "$DEST/RESULTS.md"
 fi
 ls -la "$DEST" "$DEST/eval"

@@ -1,10 +1,11 @@
 """Learning curves of the sudoku runs: solved share against optimizer steps, diffusion and AR, per bucket.
 
-    python scripts/sudoku_curve.py EVAL_DIR OUT.png [SECONDS_PER_STEP]
+    python scripts/sudoku_curve.py EVAL_DIR OUT.png [SECONDS_PER_STEP [STAGE2_START]]
 
 EVAL_DIR holds `dgemma sudoku eval` JSON lines named `<diffusion|ar>-<step>-<bucket>.json`. Prints a
 markdown table (Wilson 95% intervals) and draws the plot, with the issue's bars (easy 95%, medium 80%).
-SECONDS_PER_STEP (wall-clock, measured on the 2-core training machine) adds each point's cost.
+SECONDS_PER_STEP (wall-clock, measured on the 2-core training machine) adds each point's cost;
+STAGE2_START marks the step where the second training stage (per-step symmetry augmentation) began.
 """
 
 import json
@@ -36,6 +37,7 @@ def load(folder: Path):
 def main():
     folder, out = Path(sys.argv[1]), sys.argv[2]
     seconds_per_step = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    stage2 = int(sys.argv[4]) if len(sys.argv) > 4 else None
     points = load(folder)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for (system, bucket), by_step in sorted(points.items()):
@@ -49,6 +51,9 @@ def main():
     for bucket, bar in BARS.items():
         ax.axhline(bar, color=COLORS[bucket], linewidth=0.8, linestyle=":")
         ax.text(ax.get_xlim()[0], bar + 0.01, f"bar: {bucket} {bar:.0%}", color=COLORS[bucket], fontsize=8)
+    if stage2:
+        ax.axvline(stage2, color="grey", linewidth=0.8, linestyle="--")
+        ax.text(stage2, 0.03, " stage 2: a fresh symmetry\n per example and step", color="grey", fontsize=8)
     ax.set_xlabel("optimizer steps (batch 64)")
     ax.set_ylabel("puzzles solved (single shot, 300 per bucket)")
     ax.set_ylim(0, 1.02)
