@@ -48,11 +48,13 @@ for bucket in easy medium hard; do
     dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 100 --seed 0 --quantize int8 \
       | tail -1 > "$DEST/eval/diffusion-int8-$bucket.json"
   fi
-  if [ -n "${COMPARE:-}" ]; then  # another diffusion checkpoint, e.g. at the AR baseline's step count
+  if [ -n "${REUSE:-}" ]; then  # results of unchanged models (COMPARE, AR) from an earlier ship's eval/
+    cp "$REUSE/diffusion-compare-$bucket.json" "$REUSE/ar-$bucket.json" "$DEST/eval/"
+  elif [ -n "${COMPARE:-}" ]; then  # another diffusion checkpoint, e.g. at the AR baseline's step count
     dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$COMPARE" --batch 100 --seed 0 \
       | tail -1 > "$DEST/eval/diffusion-compare-$bucket.json"
   fi
-  if [ -n "$AR" ]; then
+  if [ -n "$AR" ] && [ -z "${REUSE:-}" ]; then
     dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$AR" --ar --batch 100 \
       | tail -1 > "$DEST/eval/ar-$bucket.json"
   fi
@@ -63,8 +65,8 @@ if [ -n "${CURVE:-}" ]; then
   STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'] + $OFFSET)")
   for b in easy medium; do
     cp "$DEST/eval/diffusion-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
-    if [ -n "$AR" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
-    if [ -n "${COMPARE:-}" ]; then cp "$DEST/eval/diffusion-compare-$b.json" "$DEST/eval/curve/diffusion-$COMPARE_STEP-$b.json"; fi
+    if [ -n "$AR${REUSE:-}" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
+    if [ -n "${COMPARE:-}${REUSE:-}" ]; then cp "$DEST/eval/diffusion-compare-$b.json" "$DEST/eval/curve/diffusion-$COMPARE_STEP-$b.json"; fi
   done
   { printf '\n## Learning curve\n\n![learning curve](learning-curve.png)\n\n'
     python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}" \

@@ -1,6 +1,7 @@
 """Turn the eval JSON files beside a shipped sudoku model into RESULTS.md (tables with Wilson intervals)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,10 @@ for mode, label in (("diffusion", "diffusion (shipped)"), ("diffusion-clamped", 
         if f.is_file() and f.read_text().strip():
             rows.append((label, bucket, json.loads(f.read_text())))
 
-print(f"# Sudoku results: the shipped model at step {state.get('step')}\n")
+offset = int(os.environ.get("STEP_OFFSET", "0"))  # a second stage counts on from stage 1's last step
+step = state.get("step", 0) + offset
+stages = f" ({offset:,} in stage 1 + {state.get('step', 0):,} in stage 2)" if offset else ""
+print(f"# Sudoku results: the shipped model at step {step:,}{stages}\n")
 print("Held-out puzzles, generated with a unique solution, disjoint from the training set up to symmetry; "
       "solved = a complete valid grid keeping every given, checked independently of any stored answer. "
       "Single shot, seed 0, the model's sampler settings (48 steps max, entropy bound 0.1, T 0.8 -> 0.4).\n")
