@@ -91,3 +91,19 @@ def test_shipped_model_solves_and_evaluates(tmp_path):
     proc = run("eval", "--file", str(f))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["total"] == 4
+
+
+def test_shipped_model_names_its_committed_starting_point():
+    """The shipped model's own trainer state (stage 2) names the stage-1 checkpoint it started from; that
+    checkpoint is committed where --resume finds it, and so is the AR baseline's, each at its step."""
+    from dgemma.training.state import latest_checkpoint, read_trainer_state
+
+    root = SHIPPED.parent.parent.parent
+    state = json.loads((SHIPPED / "trainer_state.json").read_text())
+    assert state["config"]["augment"] == "sudoku"
+    start = root / state["config"]["model"]  # training-state/sudoku-diffusion/checkpoints/step-0004750/model
+    assert (start / "model.safetensors").is_file()
+    stage1 = json.loads((SHIPPED / "trainer_state-stage1.json").read_text())
+    assert latest_checkpoint(start.parent.parent.parent) == start.parent
+    assert read_trainer_state(start.parent)["step"] == stage1["step"] == 4750
+    assert read_trainer_state(latest_checkpoint(root / "training-state" / "sudoku-ar"))["step"] == 1500
