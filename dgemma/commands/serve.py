@@ -53,6 +53,9 @@ def run(args):
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
     worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    if model.decoder_compiled:
+        print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
+        worker.engine.warm_up()
     name = args.served_model_name or folder.resolve().name
     state = ServerState(worker=worker, codec=codec, model_name=name, sampling=model.sampling_config,
                         canvas_length=model.config.canvas_length, api_key=args.api_key or None,

@@ -114,6 +114,15 @@ class Engine:
         self.run_until_done(requests)
         return requests
 
+    def warm_up(self):
+        """Run throwaway requests so a compiled model compiles before real traffic: two prompt lengths
+        and two batch sizes, after which dynamo keeps one dynamic-shape graph for every later shape."""
+        sampling = SamplingConfig(max_new_tokens=self.canvas_length, max_denoising_steps=2, fixed_steps=True,
+                                  eos_token_ids=(self.vocab_size,), pad_token_id=self.model.config.pad_token_id)
+        for prompts in ([[0]], [[0, 0]], [[0]] * min(2, self.runner.max_batch)):
+            self.generate(prompts, sampling, seeds=list(range(len(prompts))))
+        self.forwards = 0
+
     # -- internals -------------------------------------------------------------------------------
     def _drop_cancelled(self):
         with self.lock:

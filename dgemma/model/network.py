@@ -496,7 +496,10 @@ class DiffusionGemma(nn.Module):
         if soft is not None and self_conditioning_mask is not None:
             soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         if not return_hidden and cache.canvas_slots == L and not torch.is_grad_enabled():
-            # generation: the fixed-shape part, compiled when `compile_decoder` was called
+            # generation: the fixed-shape part, compiled when `compile_decoder` was called. A zero
+            # signal gives exactly what no signal gives (the MLP of zero is zero), and one graph fewer.
+            if soft is None:
+                soft = torch.zeros(B, L, self.config.hidden_size, dtype=self.dtype, device=self.device)
             return self.decode_canvas(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks)
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
@@ -530,7 +533,8 @@ class DiffusionGemma(nn.Module):
             if isinstance(module, Experts):
                 register_for_compile(module)
         if not self.decoder_compiled:
-            self.decode_canvas = torch.compile(self.decode_canvas, mode=mode, fullgraph=True)
+            # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
+            self.decode_canvas = torch.compile(self.decode_canvas, mode=mode)
             self.decoder_compiled = True
         return self
 
