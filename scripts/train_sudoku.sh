@@ -4,7 +4,8 @@
 #   stage 1  from scratch, seed 0: the 20,000 puzzles x 5 fixed symmetries of `dgemma sudoku prepare`,
 #            a 6,000-step cosine (peak 1e-3) stopped at step 4,750 (--until).
 #   stage 2  from stage 1's weights, seed 1: a fresh random symmetry of every example at every step
-#            (--augment sudoku), a new 3,500-step cosine (peak 4e-4, 100 warmup steps).
+#            (--augment sudoku), a new 3,500-step cosine (peak 4e-4, 100 warmup steps) stopped at step
+#            3,000 (UNTIL2; the session's time ran out; lr there is 6e-5 against the 4e-5 floor).
 #
 # The AR baseline is stage 1 with OBJECTIVE=ar UNTIL=1500 STAGE=1: the same data in the same order for the
 # same number of steps as the diffusion model at step 1,500 (its checkpoint is the like-for-like comparison).
@@ -15,6 +16,7 @@ DATA=${DATA:-runs/sudoku-data}
 STAGE=${STAGE:-all}
 OBJECTIVE=${OBJECTIVE:-diffusion}
 UNTIL=${UNTIL:-4750}
+UNTIL2=${UNTIL2:-3000}
 OUT=${OUT:-runs/sudoku-$OBJECTIVE}
 OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
 [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --seed 0
@@ -26,5 +28,5 @@ if [ "$STAGE" != 2 ]; then
 fi
 if [ "$STAGE" != 1 ]; then
   dgemma train --model "$OUT/checkpoints/step-$(printf %07d "$UNTIL")/model" "${COMMON[@]}" --augment sudoku \
-    --steps 3500 --lr 4e-4 --min-lr 4e-5 --warmup-steps 100 --seed 1 --out "$OUT2"
+    --steps 3500 --until "$UNTIL2" --lr 4e-4 --min-lr 4e-5 --warmup-steps 100 --seed 1 --out "$OUT2"
 fi
