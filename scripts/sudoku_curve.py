@@ -53,7 +53,7 @@ def main():
         ax.text(ax.get_xlim()[0], bar + 0.01, f"bar: {bucket} {bar:.0%}", color=COLORS[bucket], fontsize=8)
     if stage2:
         ax.axvline(stage2, color="grey", linewidth=0.8, linestyle="--")
-        ax.text(stage2, 0.03, " stage 2: a fresh symmetry\n per example and step", color="grey", fontsize=8)
+        ax.text(stage2, 0.33, " stage 2: a fresh symmetry\n per example and step", color="grey", fontsize=8)
     ax.set_xlabel("optimizer steps (batch 64)")
     ax.set_ylabel("puzzles solved (single shot, 300 per bucket)")
     ax.set_ylim(0, 1.02)

@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
 # The exact recipe behind the shipped sudoku model (dgemma/assets/sudoku) and its AR baseline.
-# Both runs see the same data in the same order (same --seed) for the same number of optimizer steps.
-# Resumable: rerun the same command with RESUME=1 after an interruption.
+#
+#   stage 1  from scratch, seed 0: the 20,000 puzzles x 5 fixed symmetries of `dgemma sudoku prepare`,
+#            a 6,000-step cosine (peak 1e-3) stopped at step 4,750 (--until).
+#   stage 2  from stage 1's weights, seed 1: a fresh random symmetry of every example at every step
+#            (--augment sudoku), a new 3,500-step cosine (peak 4e-4, 100 warmup steps) stopped at step
+#            3,000 (UNTIL2; the session's time ran out; lr there is 6e-5 against the 4e-5 floor).
+#
+# The AR baseline is stage 1 with OBJECTIVE=ar UNTIL=1500 STAGE=1: the same data in the same order for the
+# same number of steps as the diffusion model at step 1,500 (its checkpoint is the like-for-like comparison).
+# STAGE=1, 2 or all (default). Resumable: rerun the same command with RESUME=1 after an interruption.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-runs/sudoku-data}
-STEPS=${STEPS:-3000}
+STAGE=${STAGE:-all}
 OBJECTIVE=${OBJECTIVE:-diffusion}
+UNTIL=${UNTIL:-4750}
+UNTIL2=${UNTIL2:-3000}
 OUT=${OUT:-runs/sudoku-$OBJECTIVE}
+OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
 [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --seed 0
-dgemma train --init scripts/sudoku-model.json --objective "$OBJECTIVE" --data "$DATA/train.jsonl" --eos-id 1 \
-  --steps "$STEPS" --batch-size 64 --lr 1e-3 --min-lr 1e-4 --warmup-steps 200 --precision bf16 \
-  --encoder-loss-weight 0 --seed 0 --save-every 250 --keep-checkpoints 2 --out "$OUT" ${RESUME:+--resume}
+COMMON=(--objective "$OBJECTIVE" --data "$DATA/train.jsonl" --eos-id 1 --batch-size 64 --precision bf16
+        --encoder-loss-weight 0 --save-every 250 --keep-checkpoints 2 ${RESUME:+--resume})
+if [ "$STAGE" != 2 ]; then
+  dgemma train --init scripts/sudoku-model.json "${COMMON[@]}" --steps 6000 --until "$UNTIL" \
+    --lr 1e-3 --min-lr 1e-4 --warmup-steps 200 --seed 0 --out "$OUT"
+fi
+if [ "$STAGE" != 1 ]; then
+  dgemma train --model "$OUT/checkpoints/step-$(printf %07d "$UNTIL")/model" "${COMMON[@]}" --augment sudoku \
+    --steps 3500 --until "$UNTIL2" --lr 4e-4 --min-lr 4e-5 --warmup-steps 100 --seed 1 --out "$OUT2"
+fi
