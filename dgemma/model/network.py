@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -516,7 +517,7 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas_ids), soft)  # (B, L, H)
         for block, (keys, values) in zip(self.layers, buffers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], lambda k, v, kb=keys, vb=values: _fill_canvas(kb, vb, k, v))
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values))
         return self.head(x)  # (B, L, V) fp32
 
     def compile_decoder(self, mode: str | None = "max-autotune-no-cudagraphs"):

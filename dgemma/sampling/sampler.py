@@ -148,17 +148,18 @@ def sampler_step(
 
     Per chunk of positions: `scan` (argmax, entropy and the probabilities, see `scan_logits`; a
     compiled copy of it may be passed), then a sample by inverse CDF. Only one (chunk, V) temporary is
-    allocated. Canvas templates: `fixed` (B, L) bool marks positions that must
-    hold `fixed_tokens` (B, L) long. They are known, so their entropy counts as 0: they use none of the
-    entropy budget, are always "accepted", are never re-noised, and their argmax/sample is the fixed
-    token. (The self-conditioning probabilities there stay the model's own.)
+    allocated. Canvas templates: `fixed` (B, L) bool marks positions that must hold `fixed_tokens`
+    (B, L) long. They are known, so their entropy counts as 0: they use none of the entropy budget,
+    are always "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
+    self-conditioning probabilities there stay the model's own.)
     """
     B, L, V = logits.shape
     flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
     entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
     argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
     sampled = torch.empty(B * L, dtype=torch.long, device=logits.device)
-    scale = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)  # a tensor: one compile serves every step
+    # a tensor, not a float: one compiled scan serves every temperature of the schedule
+    scale = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
     step = chunk_rows(V, chunk_elements)
     for start in range(0, B * L, step):
         rows = slice(start, start + step)

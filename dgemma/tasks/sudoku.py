@@ -230,7 +230,8 @@ def decode_prompt(tokens: Sequence[int]) -> Grid | None:
     return tuple(0 if t == SudokuVocab.BLANK else t - 3 for t in ids[1:])
 
 
-def random_symmetry_ids(prompt: Sequence[int], response: Sequence[int], rng: random.Random) -> tuple[list[int], list[int]]:
+def random_symmetry_ids(prompt: Sequence[int], response: Sequence[int],
+                        rng: random.Random) -> tuple[list[int], list[int]]:
     """Training augmentation on token ids: one uniformly random symmetry applied to puzzle and solution.
 
     A symmetry maps a unique-solution puzzle to one (with the image of the solution), and its orbit is
