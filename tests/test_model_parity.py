@@ -229,8 +229,7 @@ def test_generation_cache_layout_k_eq_v_once_and_canvas_slots(hf_checkpoints):
     rows = torch.tensor([1, 2])
     first = model.denoise(canvas, cache, rows=rows)
     assert all(torch.equal(k[:, :, c.canvas_length :], p) for k, p in zip(cache.keys, prefix))
-    k = torch.zeros(2, c.layer_kv_heads(0), c.canvas_length, c.layer_head_dim(0))
-    keys, _ = cache.decoder_keys(0, c.is_sliding(0), rows, k, None if not c.is_sliding(0) else k)
+    keys, _ = cache.decoder_buffers(rows)[0]
     assert keys.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()  # a view
     # the reserved slots do not leak between calls: the same canvas again gives the same logits
     model.denoise(torch.randint(0, c.vocab_size, (2, c.canvas_length)), cache, rows=rows)

@@ -103,7 +103,7 @@ class KVCache:
     cache and run any subset of rows (`rows`) through a forward pass.
 
     Buffer layout per layer: (batch, kv heads, canvas slots + prefix slots, head dim); the canvas slots
-    (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `decoder_keys`.
+    (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `decoder_buffers`.
     Full layers keep only `keys` (the raw K = V projection); their `values` entry is None.
     """
 
@@ -190,22 +190,14 @@ class KVCache:
 
     def decoder_keys(self, layer: int, sliding: bool, rows: torch.Tensor | None, k: torch.Tensor, v):
         """The canvas's own entries k, v (n, Hkv, L, D; v None on full layers), then the rows' prefix
-        slots -> entries over (n, Hkv, L + S, D).
+        slots -> new tensors over (n, Hkv, L + S, D), by concatenation.
 
-        A generation cache writes the canvas into its reserved slots and returns a view (a copy only for
-        rows that are not consecutive); a keep_all cache (training) or a forward that needs gradients
-        through k, v concatenates instead. The prefix slots are never modified.
+        For a keep_all cache (training) and for forwards that need gradients through k, v; generation
+        writes the canvas into the cache's reserved slots instead (`decoder_buffers`). The prefix slots
+        are never modified.
         """
         old_k, old_v, _ = self.view(layer, sliding, rows)
-        L = k.shape[2]
-        if L != self.canvas_slots or k.requires_grad:
-            return torch.cat([k, old_k], dim=2), None if v is None else torch.cat([v, old_v], dim=2)
-        idx, end = self._rows_index(rows), L + old_k.shape[2]
-        self.keys[layer][idx, :, :L] = k
-        if v is None:
-            return self.keys[layer][idx, :, :end], None
-        self.values[layer][idx, :, :L] = v
-        return self.keys[layer][idx, :, :end], self.values[layer][idx, :, :end]
+        return torch.cat([k, old_k], dim=2), None if v is None else torch.cat([v, old_v], dim=2)
 
     def decoder_buffers(self, rows: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per layer, the rows' (keys, values or None) over [canvas slots | prefix slots in use], each

@@ -496,20 +496,24 @@ class DiffusionGemma(nn.Module):
             soft = self.soft_embedding_from_probs(self_conditioning_probs)
         if soft is not None and self_conditioning_mask is not None:
             soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
-        if not return_hidden and cache.canvas_slots == L and not torch.is_grad_enabled():
-            # generation: the fixed-shape part, compiled when `compile_decoder` was called. A zero
-            # signal gives exactly what no signal gives (the MLP of zero is zero), and one graph fewer.
+        if cache.canvas_slots == L and not torch.is_grad_enabled():
+            # generation: the canvas goes into the cache's reserved slots, through the compiled step
+            # when `compile_decoder` was called. A zero signal gives exactly what no signal gives (the
+            # MLP of zero is zero), and one graph fewer.
             if soft is None:
                 soft = torch.zeros(B, L, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            return self.decode_canvas(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks)
+            return self.decode_canvas(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks,
+                                      return_hidden)
+        # training (keep_all cache) or gradients: the canvas's entries concatenated before the prefix
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], lambda k, v, i=i, s=s: cache.decoder_keys(i, s, rows, k, v))
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(cache.decoder_keys, i, s, rows))
         return x if return_hidden else self.head(x)
 
-    def decode_canvas(self, canvas_ids, soft, buffers, rope, key_rope, masks) -> torch.Tensor:
-        """The decoder from canvas ids to logits, on tensors alone (the compile boundary).
+    def decode_canvas(self, canvas_ids, soft, buffers, rope, key_rope, masks, return_hidden: bool = False):
+        """The decoder from canvas ids to logits (B, L, V) fp32, or the hidden states (B, L, H), on tensors
+        alone (the compile boundary).
 
         buffers[i] = (keys, values or None), each (B, Hkv, L + S, D) [canvas | prefix] for layer i: the
         canvas's own entries are written into the first L slots, then the layer attends to all of it.
@@ -518,7 +522,7 @@ class DiffusionGemma(nn.Module):
         for block, (keys, values) in zip(self.layers, buffers):
             s = block.self_attn.sliding
             x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values))
-        return self.head(x)  # (B, L, V) fp32
+        return x if return_hidden else self.head(x)
 
     def compile_decoder(self, mode: str | None = "max-autotune-no-cudagraphs"):
         """Compile `decode_canvas` with torch.compile (inductor).
