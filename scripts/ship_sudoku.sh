@@ -26,10 +26,10 @@ import json, sys
 from pathlib import Path
 from dgemma.training.progress import plot_loss
 first, second, offset, dest = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-rows = [dict(json.loads(l), stage=1) for l in first.read_text().splitlines() if l.strip()]
-rows = [r for r in rows if r["step"] <= offset]
-rows += [dict(json.loads(l), stage=2, step=json.loads(l)["step"] + offset, stage_step=json.loads(l)["step"])
-         for l in second.read_text().splitlines() if l.strip()]
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+rows = [dict(r, stage=1) for r in records(first) if r["step"] <= offset]
+rows += [dict(r, stage=2, step=r["step"] + offset, stage_step=r["step"]) for r in records(second)]
 (dest / "training-metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 plot_loss(rows, dest / "loss.png", title=f"diffusion training loss (stage 2 from step {offset})")
 PY

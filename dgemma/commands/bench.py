@@ -91,8 +91,9 @@ def run(args):
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
     rows, budgets = [], {}
-    for batch in batches:
-        prompts = torch.randint(3, c.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+    prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
+                        for b in batches}
+    for batch, prompts in prompts_by_batch.items():
         rows.append(bench.bench_engine(model, prompts, fixed, args.repeats))
         need = args.prompt_len + -(-new_tokens // c.canvas_length) * c.canvas_length
         budget = bench.memory_budget(model, batch, need)
@@ -113,8 +114,7 @@ def run(args):
         print(f"  batch {batch} done", file=sys.stderr)
     if args.compile:  # after every eager run: compiling swaps the model's decoder for good
         model.compile_decoder()
-        for batch in batches:
-            prompts = torch.randint(3, c.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        for batch, prompts in prompts_by_batch.items():  # the same prompts as the eager runs
             row = bench.bench_engine(model, prompts, fixed, args.repeats)
             row.system = "engine-compiled"
             rows.append(row)
