@@ -12,11 +12,11 @@ uses their softmax; `sampler_step` leaves exactly that softmax in the logits buf
 next step's signal costs no second (B, L, V) buffer and no second softmax.
 
 Randomness comes only from the `torch.Generator` passed in, in a fixed order per step: one uniform per
-position chunk by chunk (see `chunk_rows`), then one (B, L) draw of re-noising tokens. The same seed,
-device and shapes give the same tokens.
+position, then one (B, L) draw of re-noising tokens. The same seed, device and shapes give the same tokens.
 
-Cost: a step is ~10 passes over (chunk, V) memory; the vocabulary-sized work is the main non-matmul cost
-of a denoising step, so every pass counts (see `sampler_step`).
+Cost: the vocabulary-sized work is the main non-matmul cost of a denoising step, so every pass over
+(B, L, V) memory counts: one scan computes argmax, entropy and probabilities together, and the sample
+(a cumulative sum over V) is only drawn where it is kept, at the accepted positions (see `sampler_step`).
 """
 
 from __future__ import annotations
@@ -70,14 +70,15 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     (random generation was the largest part of the sampler on CPU). A zero-probability token adds
     nothing to the cumulative sum, so it can never be the first to exceed the target.
     """
-    return _inverse_cdf(probs, torch.empty_like(probs), generator)
+    u = torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device, generator=generator)
+    return inverse_cdf(probs, u)
 
 
-def _inverse_cdf(weights: torch.Tensor, cdf_out: torch.Tensor, generator) -> torch.Tensor:
-    """weights (N, V) >= 0 -> (N,) sampled indices; `cdf_out` (N, V) is scratch space."""
-    cdf = torch.cumsum(weights, dim=-1, out=cdf_out)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=weights.dtype)
-    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first index with cdf > target
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights (N, V) >= 0 and uniforms u (N,) in [0, 1) -> (N,) indices: the first index whose
+    cumulative weight exceeds u * total."""
+    cdf = torch.cumsum(weights, dim=-1)
+    index = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
     return index.clamp_(max=weights.shape[-1] - 1)[:, 0]  # u * total rounding up to total: the last token
 
 
@@ -104,8 +105,7 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
-    """One chunk of logits x (n, V), overwritten with softmax(x / T) -> argmax (n,), entropy (n,), and a
-    (n, V) scratch buffer for the sampling that follows.
+    """One chunk of logits x (n, V), overwritten with softmax(x / T) -> argmax (n,), entropy (n,).
 
     With s = x / T (bit-identical to the reference's scaled logits) and m = max(s): e = exp(s - m),
     Z = sum(e), entropy = log Z - sum(e * (s - m)) / Z (the same number as -sum(p log p), without a
@@ -121,7 +121,7 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[s - m]
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
     torch.div(e, z[:, None], out=x)  # the buffer now holds the probabilities
-    return argmax, entropy, e
+    return argmax, entropy
 
 
 @dataclass
@@ -147,32 +147,39 @@ def sampler_step(
     the probabilities the next step's self-conditioning embeds.
 
     Per chunk of positions: `scan` (argmax, entropy and the probabilities, see `scan_logits`; a
-    compiled copy of it may be passed), then a sample by inverse CDF. Only one (chunk, V) temporary is
-    allocated. Canvas templates: `fixed` (B, L) bool marks positions that must hold `fixed_tokens`
-    (B, L) long. They are known, so their entropy counts as 0: they use none of the entropy budget,
-    are always "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
+    compiled copy of it may be passed). Then the acceptance, and only then the samples: a position that
+    is not accepted is re-noised, so its sample would be thrown away, and the inverse-CDF draw (a
+    cumulative sum over V) runs on the accepted rows alone; early in a canvas that is a handful of its
+    positions. Every position still gets its uniform, so the random stream, and with it every token, is
+    the same as sampling everywhere (as the reference does). Only (chunk, V) temporaries are allocated.
+
+    Canvas templates: `fixed` (B, L) bool marks positions that must hold `fixed_tokens` (B, L) long.
+    They are known, so their entropy counts as 0: they use none of the entropy budget, are always
+    "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
     self-conditioning probabilities there stay the model's own.)
     """
     B, L, V = logits.shape
     flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
     entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
     argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
-    sampled = torch.empty(B * L, dtype=torch.long, device=logits.device)
     # a tensor, not a float: one compiled scan serves every temperature of the schedule
     scale = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
     step = chunk_rows(V, chunk_elements)
     for start in range(0, B * L, step):
         rows = slice(start, start + step)
-        argmax[rows], entropy[rows], scratch = scan(flat[rows], scale)
-        sampled[rows] = _inverse_cdf(flat[rows], scratch, generator)
-        del scratch
-    entropy, argmax, sampled = entropy.view(B, L), argmax.view(B, L), sampled.view(B, L)
+        argmax[rows], entropy[rows] = scan(flat[rows], scale)
+    entropy, argmax = entropy.view(B, L), argmax.view(B, L)
+    uniforms = torch.rand(B * L, dtype=logits.dtype, device=logits.device, generator=generator)
     noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
 
     if fixed is not None:
         entropy = entropy.masked_fill(fixed, 0.0)
         argmax = torch.where(fixed, fixed_tokens, argmax)
-        sampled = torch.where(fixed, fixed_tokens, sampled)
     accepted = entropy_bound_accept(entropy, entropy_bound)
-    canvas = torch.where(accepted, sampled, noise)
+    drawn = accepted if fixed is None else accepted & ~fixed
+    canvas = noise.clone() if fixed is None else torch.where(fixed, fixed_tokens, noise)
+    where = drawn.view(-1).nonzero()[:, 0]  # flat positions that keep their sample
+    for start in range(0, where.numel(), step):
+        index = where[start : start + step]
+        canvas.view(-1)[index] = inverse_cdf(flat[index], uniforms[index])
     return StepResult(canvas=canvas, argmax=argmax, entropy=entropy, accepted=accepted)
