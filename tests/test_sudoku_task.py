@@ -324,6 +324,21 @@ def test_write_split_round_trips(tmp_path):
     assert len(generate_examples(3, (40, 45), seed=0)) == 3
 
 
+def test_validation_sets_are_disjoint_and_leave_every_other_file_unchanged(tmp_path):
+    givens = {"train_givens": (35, 45), "test_givens": (35, 45)}
+    plain = write_split(tmp_path / "plain", n_train=5, n_test=2, seed=3, per_bucket=2, **givens)
+    with_val = write_split(tmp_path / "val", n_train=5, n_test=2, seed=3, per_bucket=2, validation_per_bucket=3, **givens)
+    for name in ("train", "test", "test_easy", "test_medium", "test_hard"):
+        assert with_val[name].read_bytes() == plain[name].read_bytes(), name
+    validation = {b: read_puzzle_file(with_val[f"val_{b}"])[0] for b in BUCKET_GIVENS}
+    assert {b: [e.bucket for e in v] for b, v in validation.items()} == {b: [b] * 3 for b in BUCKET_GIVENS}
+    others = sum((read_puzzle_file(plain[n])[0] for n in ("train", "test", "test_easy", "test_medium", "test_hard")), [])
+    seen = {canonical_form(e.puzzle) for e in others}
+    val_forms = [canonical_form(e.puzzle) for v in validation.values() for e in v]
+    assert len(set(val_forms)) == 9 and not seen & set(val_forms)
+    assert json.loads(with_val["manifest"].read_text())["counts"]["val_hard"] == 3
+
+
 # -- text I/O --------------------------------------------------------------------------------------
 
 

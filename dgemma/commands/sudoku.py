@@ -7,9 +7,11 @@ import random
 import sys
 from pathlib import Path
 
+from dgemma.commands._common import non_negative_float, positive_int
+
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
-# test puzzles; the shipped early checkpoint solves about half of easy puzzles, this one among them.
+# test or validation puzzles.
 SAMPLE_PUZZLE = "308150070907342000512086930070600420605408009024070563701060090003200050296000000"
 
 
@@ -21,6 +23,8 @@ def add_arguments(p):
     prep.add_argument("--train", type=int, default=20000, help="distinct training puzzles (default 20000)")
     prep.add_argument("--augment", type=int, default=4, help="symmetry-transformed copies per puzzle (default 4)")
     prep.add_argument("--per-bucket", type=int, default=300, help="test puzzles per difficulty bucket")
+    prep.add_argument("--validation", type=int, default=0,
+                      help="also write val_<bucket>.txt with this many puzzles per bucket, for tuning decoding")
     prep.add_argument("--seed", type=int, default=0)
     prep.set_defaults(_action=_prepare)
 
@@ -44,7 +48,11 @@ def add_arguments(p):
 def _model_arguments(p):
     p.add_argument("--model", default=None, help=f"model folder (default: the shipped model, {SHIPPED.name})")
     p.add_argument("--clamp", action="store_true", help="fix the givens through the canvas template")
-    p.add_argument("--steps", type=int, default=None, help="max denoising steps (default: the model's)")
+    p.add_argument("--steps", type=positive_int, default=None, help="max denoising steps (default: the model's)")
+    p.add_argument("--entropy-bound", type=non_negative_float, default=None,
+                   help="entropy (nats) a step may accept in all (default: the model's)")
+    p.add_argument("--t-min", type=non_negative_float, default=None, help="temperature schedule's end (default: the model's)")
+    p.add_argument("--t-max", type=non_negative_float, default=None, help="temperature schedule's start (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
 
@@ -59,11 +67,12 @@ def _prepare(args):
     from dgemma.tasks import sudoku as S
     from dgemma.tasks.sudoku_grid import random_transform
 
-    if args.train < 1 or args.augment < 0 or args.per_bucket < 0:
-        raise UsageError("--train must be >= 1, --augment and --per-bucket >= 0")
+    if args.train < 1 or args.augment < 0 or args.per_bucket < 0 or args.validation < 0:
+        raise UsageError("--train must be >= 1; --augment, --per-bucket and --validation >= 0")
     out = Path(args.out)
     print(f"generating {args.train} training puzzles and {args.per_bucket} per bucket for testing ...", file=sys.stderr)
-    paths = S.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=args.per_bucket)
+    paths = S.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=args.per_bucket,
+                          validation_per_bucket=args.validation)
     train, _ = S.read_puzzle_file(paths["train"])
     rng = random.Random(args.seed)
     lines = 0
@@ -107,6 +116,7 @@ def _sampling(model, args):
     # One canvas is the whole answer, so no EOS ends it early: a cell the model fills with a non-digit
     # token is simply a wrong cell (and the givens of a clamped run stay in place).
     return model.sampling_config.replace(max_new_tokens=81, max_denoising_steps=args.steps, seed=args.seed,
+                                         entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
                                          eos_token_ids=(), pad_token_id=SudokuVocab.PAD)
 
 

@@ -374,8 +374,9 @@ def make_split(
     return _make_split(n_train, n_test, seed, train_givens, test_givens)[0]
 
 
-def _bucket_sets(per_bucket: int, seed: int, seen: set[bytes], buckets: dict) -> dict[str, list[Example]]:
-    return {name: _unique_examples(per_bucket, tuple(r), seed, f"bucket-{name}", seen) for name, r in buckets.items()}
+def _bucket_sets(per_bucket: int, seed: int, seen: set[bytes], buckets: dict,
+                 stream: str = "bucket") -> dict[str, list[Example]]:
+    return {name: _unique_examples(per_bucket, tuple(r), seed, f"{stream}-{name}", seen) for name, r in buckets.items()}
 
 
 def make_bucket_test_sets(
@@ -396,10 +397,13 @@ def write_split(
     test_givens: tuple[int, int] = (28, 45),
     per_bucket: int = 0,
     buckets: dict | None = None,
+    validation_per_bucket: int = 0,
 ) -> dict[str, Path]:
     """Write train.txt and test.txt (the same sets `make_split` returns for these arguments),
     test_<bucket>.txt when `per_bucket` > 0 (the sets `make_bucket_test_sets` returns with
-    exclude = train + test), and split.json describing it all. Returns name -> path."""
+    exclude = train + test), val_<bucket>.txt when `validation_per_bucket` > 0 (for choosing decoding
+    settings without looking at the test sets; disjoint from all of the above, and drawn after them, so
+    adding them changes no other file), and split.json describing it all. Returns name -> path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     buckets = buckets or BUCKET_GIVENS
@@ -408,6 +412,9 @@ def write_split(
     if per_bucket:
         for name, examples in _bucket_sets(per_bucket, seed, seen, buckets).items():
             sets[f"test_{name}"] = examples
+    if validation_per_bucket:
+        for name, examples in _bucket_sets(validation_per_bucket, seed, seen, buckets, stream="validation").items():
+            sets[f"val_{name}"] = examples
     paths = {}
     for name, examples in sets.items():
         paths[name] = directory / f"{name}.txt"
