@@ -7,6 +7,9 @@
 # JSONs of earlier checkpoints (<diffusion|ar>-<step>-<bucket>.json) plus this model's, plotted.
 # A second-stage checkpoint: STAGE1=<stage 1 run folder> and STEP_OFFSET=<stage 1's last step> count its
 # steps from the start of stage 1 and join both stages' training logs.
+# DECODING (default scripts/sudoku-decoding.json) sets the shipped model's sampler; the checkpoint's own
+# (released) settings are measured too, as "diffusion-released", and they are what the learning curve uses.
+# REUSE=<an earlier ship's eval/> copies the AR baseline's results instead of measuring them again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CKPT=${1:?checkpoint folder}
@@ -15,6 +18,22 @@ DATA=${DATA:-runs/sudoku-data}
 DEST=dgemma/assets/sudoku
 rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp/eval"
 cp "$CKPT"/model/config.json "$CKPT"/model/generation_config.json "$CKPT"/model/model.safetensors "$DEST.tmp/"
+DECODING=${DECODING:-scripts/sudoku-decoding.json}
+# merge the decoding settings into generation_config.json; print them as `dgemma sudoku eval` flags
+DECODE_ARGS=$(python - "$DEST.tmp/generation_config.json" "$DECODING" <<'PY'
+import json, sys
+from pathlib import Path
+path, chosen = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+gen = json.loads(path.read_text())
+for key in ("t_max", "t_min", "max_denoising_steps"):
+    gen[key] = chosen[key]
+gen["sampler_config"]["entropy_bound"] = chosen["entropy_bound"]
+path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+print(f"--t-max {chosen['t_max']} --t-min {chosen['t_min']} --steps {chosen['max_denoising_steps']} "
+      f"--entropy-bound {chosen['entropy_bound']}")
+PY
+)
+cp "$DECODING" "$DEST.tmp/decoding.json"
 echo '{"task": "sudoku"}' > "$DEST.tmp/dgemma_task.json"
 RUN=$(dirname "$(dirname "$CKPT")")
 OFFSET=${STEP_OFFSET:-0}
@@ -26,10 +45,11 @@ import json, sys
 from pathlib import Path
 from dgemma.training.progress import plot_loss
 first, second, offset, dest = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+last = json.loads((dest / "trainer_state.json").read_text())["step"]  # a run resumed past it logs on
 def records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 rows = [dict(r, stage=1) for r in records(first) if r["step"] <= offset]
-rows += [dict(r, stage=2, step=r["step"] + offset, stage_step=r["step"]) for r in records(second)]
+rows += [dict(r, stage=2, step=r["step"] + offset, stage_step=r["step"]) for r in records(second) if r["step"] <= last]
 (dest / "training-metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 plot_loss(rows, dest / "loss.png", title=f"diffusion training loss (stage 2 from step {offset})")
 PY
@@ -48,11 +68,14 @@ for bucket in easy medium hard; do
     dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$DEST" --batch 100 --seed 0 --quantize int8 \
       | tail -1 > "$DEST/eval/diffusion-int8-$bucket.json"
   fi
-  if [ -n "${REUSE:-}" ]; then  # results of unchanged models (COMPARE, AR) from an earlier ship's eval/
-    cp "$REUSE/diffusion-compare-$bucket.json" "$REUSE/ar-$bucket.json" "$DEST/eval/"
-  elif [ -n "${COMPARE:-}" ]; then  # another diffusion checkpoint, e.g. at the AR baseline's step count
-    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$COMPARE" --batch 100 --seed 0 \
+  dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$CKPT/model" --batch 100 --seed 0 \
+    | tail -1 > "$DEST/eval/diffusion-released-$bucket.json"  # the checkpoint's own sampler settings
+  if [ -n "${COMPARE:-}" ]; then  # another diffusion checkpoint, e.g. at the AR baseline's step count
+    dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$COMPARE" --batch 100 --seed 0 $DECODE_ARGS \
       | tail -1 > "$DEST/eval/diffusion-compare-$bucket.json"
+  fi
+  if [ -n "${REUSE:-}" ]; then  # the AR baseline's results from an earlier ship's eval/
+    cp "$REUSE/ar-$bucket.json" "$DEST/eval/"
   fi
   if [ -n "$AR" ] && [ -z "${REUSE:-}" ]; then
     dgemma sudoku eval --file "$DATA/test_$bucket.txt" --model "$AR" --ar --batch 100 \
@@ -63,12 +86,11 @@ python scripts/sudoku_results.py "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > 
 if [ -n "${CURVE:-}" ]; then
   mkdir -p "$DEST/eval/curve" && cp "$CURVE"/*.json "$DEST/eval/curve/"
   STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'] + $OFFSET)")
-  for b in easy medium; do
-    cp "$DEST/eval/diffusion-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
+  for b in easy medium; do  # every point of the curve is measured with the checkpoints' released decoding
+    cp "$DEST/eval/diffusion-released-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
     if [ -n "$AR${REUSE:-}" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
-    if [ -n "${COMPARE:-}${REUSE:-}" ]; then cp "$DEST/eval/diffusion-compare-$b.json" "$DEST/eval/curve/diffusion-$COMPARE_STEP-$b.json"; fi
   done
-  { printf '\n## Learning curve\n\n![learning curve](learning-curve.png)\n\n'
+  { printf '\n## Learning curve\n\nEvery diffusion point is measured with the checkpoints%s released decoding (T 0.8 -> 0.4, at most 48 steps), so the points compare with each other.\n\n![learning curve](learning-curve.png)\n\n' "'"
     python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}" \
       ${STAGE1:+"$OFFSET"}; } >> "$DEST/RESULTS.md"
 fi

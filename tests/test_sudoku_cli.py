@@ -31,8 +31,10 @@ def random_sudoku_model(tmp_path_factory):
 
 
 def test_prepare_writes_disjoint_augmented_sets(tmp_path):
-    proc = run("prepare", "--out", str(tmp_path), "--train", "12", "--augment", "2", "--per-bucket", "2")
+    proc = run("prepare", "--out", str(tmp_path), "--train", "12", "--augment", "2", "--per-bucket", "2",
+               "--validation", "1")
     assert proc.returncode == 0, proc.stderr
+    assert len(S.read_puzzle_file(tmp_path / "val_medium.txt")[0]) == 1
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
     assert len(lines) == 12 * 3
     first = json.loads(lines[0])
@@ -69,6 +71,28 @@ def test_clamped_eval_keeps_every_given(tmp_path, random_sudoku_model):
     proc = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--clamp")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["givens_kept"] == 1.0
+
+
+def test_eval_takes_the_sampler_settings_and_rejects_bad_ones(tmp_path, random_sudoku_model):
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(S.grid_to_string(e.puzzle) for e in S.generate_examples(2, givens=(30, 45), seed=5)))
+    proc = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "1", "--t-max", "2.0",
+               "--entropy-bound", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["mean_denoising_steps"] == 1
+    bad = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--t-max", "0.2", "--t-min", "0.5")
+    assert bad.returncode == 2 and "t_min <= t_max" in bad.stderr and "Traceback" not in bad.stderr
+    negative = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--entropy-bound", "-1")
+    assert negative.returncode == 2 and "Traceback" not in negative.stderr
+
+
+def test_shipped_decoding_is_the_one_chosen_on_validation_puzzles():
+    """ship_sudoku.sh writes scripts/sudoku-decoding.json into the shipped generation_config.json."""
+    chosen = json.loads((SHIPPED.parent.parent.parent / "scripts" / "sudoku-decoding.json").read_text())
+    sampling = dgemma.load_model(SHIPPED).sampling_config
+    assert (sampling.t_max, sampling.t_min, sampling.max_denoising_steps, sampling.entropy_bound) == (
+        chosen["t_max"], chosen["t_min"], chosen["max_denoising_steps"], chosen["entropy_bound"])
+    assert json.loads((SHIPPED / "decoding.json").read_text()) == chosen
 
 
 def test_solve_says_invalid_clearly_and_bad_puzzle_exits_2(random_sudoku_model):
