@@ -19,7 +19,7 @@ UNTIL=${UNTIL:-4750}
 UNTIL2=${UNTIL2:-3000}
 OUT=${OUT:-runs/sudoku-$OBJECTIVE}
 OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
-[ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --seed 0
+[ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
 COMMON=(--objective "$OBJECTIVE" --data "$DATA/train.jsonl" --eos-id 1 --batch-size 64 --precision bf16
         --encoder-loss-weight 0 --save-every 250 --keep-checkpoints 2 ${RESUME:+--resume})
 if [ "$STAGE" != 2 ]; then
