@@ -13,7 +13,7 @@ ar_step = sys.argv[3] if len(sys.argv) > 3 else "?"
 gen = json.loads((folder / "generation_config.json").read_text())
 decoding = (f"T {gen['t_max']} -> {gen['t_min']}, at most {gen['max_denoising_steps']} steps, "
             f"entropy bound {gen['sampler_config']['entropy_bound']}")
-released = "T 0.8 -> 0.4, at most 48 steps, entropy bound 0.1"
+released = "T 0.8 -> 0.4, at most 48 steps, entropy bound 0.1"  # what training writes: SamplingConfig's defaults
 for mode, label in (("diffusion", "diffusion (shipped)"), ("diffusion-clamped", "diffusion, givens clamped"),
                     ("diffusion-int8", "diffusion, int8 weights"),
                     ("diffusion-released", "diffusion, released decoding"),

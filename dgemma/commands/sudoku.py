@@ -70,7 +70,8 @@ def _prepare(args):
     if args.train < 1 or args.augment < 0 or args.per_bucket < 0 or args.validation < 0:
         raise UsageError("--train must be >= 1; --augment, --per-bucket and --validation >= 0")
     out = Path(args.out)
-    print(f"generating {args.train} training puzzles and {args.per_bucket} per bucket for testing ...", file=sys.stderr)
+    print(f"generating {args.train} training puzzles, {args.per_bucket} per bucket for testing and "
+          f"{args.validation} per bucket for validation ...", file=sys.stderr)
     paths = S.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=args.per_bucket,
                           validation_per_bucket=args.validation)
     train, _ = S.read_puzzle_file(paths["train"])
