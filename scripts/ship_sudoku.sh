@@ -88,9 +88,10 @@ if [ -n "${CURVE:-}" ]; then
   STEP=$(python -c "import json; print(json.load(open('$DEST/trainer_state.json'))['step'] + $OFFSET)")
   for b in easy medium; do  # every point of the curve is measured with the checkpoints' released decoding
     cp "$DEST/eval/diffusion-released-$b.json" "$DEST/eval/curve/diffusion-$STEP-$b.json"
+    cp "$DEST/eval/diffusion-$b.json" "$DEST/eval/curve/shipped-$STEP-$b.json"  # and its own decoding, apart
     if [ -n "$AR${REUSE:-}" ]; then cp "$DEST/eval/ar-$b.json" "$DEST/eval/curve/ar-$AR_STEP-$b.json"; fi
   done
-  { printf '\n## Learning curve\n\nEvery diffusion point is measured with the released decoding (T 0.8 -> 0.4, at most 48 steps), so the points compare with each other.\n\n![learning curve](learning-curve.png)\n\n'
+  { printf '\n## Learning curve\n\nEvery diffusion point is measured with the released decoding (T 0.8 -> 0.4, at most 48 steps), so the points compare with each other; the stars are the shipped model with its shipped decoding.\n\n![learning curve](learning-curve.png)\n\n'
     python scripts/sudoku_curve.py "$DEST/eval/curve" "$DEST/learning-curve.png" "${SECONDS_PER_STEP:-1.9}" \
       ${STAGE1:+"$OFFSET"}; } >> "$DEST/RESULTS.md"
 fi

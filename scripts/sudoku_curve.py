@@ -2,7 +2,8 @@
 
     python scripts/sudoku_curve.py EVAL_DIR OUT.png [SECONDS_PER_STEP [STAGE2_START]]
 
-EVAL_DIR holds `dgemma sudoku eval` JSON lines named `<diffusion|ar>-<step>-<bucket>.json`. Prints a
+EVAL_DIR holds `dgemma sudoku eval` JSON lines named `<diffusion|ar|shipped>-<step>-<bucket>.json`
+(`shipped`: the shipped model with its own decoding, drawn as single stars). Prints a
 markdown table (Wilson 95% intervals) and draws the plot, with the issue's bars (easy 95%, medium 80%).
 SECONDS_PER_STEP (wall-clock, measured on the 2-core training machine) adds each point's cost;
 STAGE2_START marks the step where the second training stage (per-step symmetry augmentation) began.
@@ -19,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-NAME = re.compile(r"^(diffusion|ar)-(\d+)-(easy|medium|hard)\.json$")
+NAME = re.compile(r"^(diffusion|ar|shipped)-(\d+)-(easy|medium|hard)\.json$")
 BARS = {"easy": 0.95, "medium": 0.80}
 COLORS = {"easy": "tab:green", "medium": "tab:orange", "hard": "tab:red"}
 
@@ -45,9 +46,10 @@ def main():
         acc = [by_step[s]["accuracy"] for s in steps]
         lo = [max(0.0, a - by_step[s]["ci95"][0]) for a, s in zip(acc, steps)]
         hi = [max(0.0, by_step[s]["ci95"][1] - a) for a, s in zip(acc, steps)]
-        ax.errorbar(steps, acc, yerr=[lo, hi], marker="o" if system == "diffusion" else "s", capsize=3,
-                    linestyle="-" if system == "diffusion" else "--", color=COLORS[bucket],
-                    label=f"{'diffusion' if system == 'diffusion' else 'autoregressive'} - {bucket}")
+        style = {"diffusion": ("o", "-", "diffusion, released decoding"), "ar": ("s", "--", "autoregressive"),
+                 "shipped": ("*", "none", "diffusion, shipped decoding")}[system]
+        ax.errorbar(steps, acc, yerr=[lo, hi], marker=style[0], markersize=12 if system == "shipped" else 6,
+                    capsize=3, linestyle=style[1], color=COLORS[bucket], label=f"{style[2]} - {bucket}")
     for bucket, bar in BARS.items():
         ax.axhline(bar, color=COLORS[bucket], linewidth=0.8, linestyle=":")
         ax.text(ax.get_xlim()[0], bar + 0.01, f"bar: {bucket} {bar:.0%}", color=COLORS[bucket], fontsize=8)
@@ -55,7 +57,7 @@ def main():
         ax.axvline(stage2, color="grey", linewidth=0.8, linestyle="--")
         ax.text(stage2, 0.33, " stage 2: a fresh symmetry\n per example and step", color="grey", fontsize=8)
     ax.set_xlabel("optimizer steps (batch 64)")
-    ax.set_ylabel("puzzles solved (single shot, 300 per bucket;\nreleased decoding, T 0.8 -> 0.4)")
+    ax.set_ylabel("puzzles solved (single shot, 300 per bucket)")
     ax.set_ylim(0, 1.02)
     ax.set_title("Sudoku: the same 2.2M-parameter network, same data, same steps")
     ax.grid(alpha=0.3)
@@ -71,7 +73,7 @@ def main():
             lo, hi = r["ci95"]
             cost = ""
             if seconds_per_step:  # measured for the diffusion run; the AR run's steps cost differently
-                cost = f" {step * seconds_per_step / 3600:.1f} h |" if system == "diffusion" else " - |"
+                cost = f" {step * seconds_per_step / 3600:.1f} h |" if system != "ar" else " - |"
             print(f"| {system} | {step} | {bucket} | {r['solved']}/{r['total']} | "
                   f"{r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] |{cost}")
 
