@@ -40,13 +40,24 @@ def add_model_arguments(p, *, required: bool = True):
                    help="torch.compile the denoising step (a one-off compile of ~10-60 s, then faster steps)")
 
 
+def add_denoising_arguments(g):
+    """The sampler's knobs, each defaulting to the model's generation_config.json (None here)."""
+    g.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
+    g.add_argument("--entropy-bound", type=non_negative_float, default=None,
+                   help="entropy (nats) one step may accept in all")
+    g.add_argument("--t-min", type=non_negative_float, default=None, help="temperature at the schedule's end")
+    g.add_argument("--t-max", type=non_negative_float, default=None, help="temperature at the schedule's start")
+
+
+def denoising_overrides(args) -> dict:
+    """`add_denoising_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
+    return dict(max_denoising_steps=args.steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
+
+
 def add_sampling_arguments(p):
     g = p.add_argument_group("sampling (defaults from the model's generation_config.json)")
     g.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 2048 (not capped at a canvas)")
-    g.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
-    g.add_argument("--entropy-bound", type=non_negative_float, default=None)
-    g.add_argument("--t-min", type=non_negative_float, default=None)
-    g.add_argument("--t-max", type=non_negative_float, default=None)
+    add_denoising_arguments(g)
     g.add_argument("--fixed-steps", action="store_true", help="exactly --steps per canvas, no early stop")
     g.add_argument("--seed", type=int, default=None)
 
@@ -54,12 +65,9 @@ def add_sampling_arguments(p):
 def sampling_from_args(model, args):
     return model.sampling_config.replace(
         max_new_tokens=args.max_new_tokens,
-        max_denoising_steps=args.steps,
-        entropy_bound=args.entropy_bound,
-        t_min=args.t_min,
-        t_max=args.t_max,
         fixed_steps=True if args.fixed_steps else None,
         seed=args.seed,
+        **denoising_overrides(args),
     )
 
 

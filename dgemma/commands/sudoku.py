@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import non_negative_float, positive_int
+from dgemma.commands._common import add_denoising_arguments, denoising_overrides
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
@@ -48,11 +48,7 @@ def add_arguments(p):
 def _model_arguments(p):
     p.add_argument("--model", default=None, help=f"model folder (default: the shipped model, {SHIPPED.name})")
     p.add_argument("--clamp", action="store_true", help="fix the givens through the canvas template")
-    p.add_argument("--steps", type=positive_int, default=None, help="max denoising steps (default: the model's)")
-    p.add_argument("--entropy-bound", type=non_negative_float, default=None,
-                   help="entropy (nats) a step may accept in all (default: the model's)")
-    p.add_argument("--t-min", type=non_negative_float, default=None, help="temperature schedule's end (default: the model's)")
-    p.add_argument("--t-max", type=non_negative_float, default=None, help="temperature schedule's start (default: the model's)")
+    add_denoising_arguments(p.add_argument_group("sampling (defaults from the model's generation_config.json)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
 
@@ -116,9 +112,8 @@ def _sampling(model, args):
 
     # One canvas is the whole answer, so no EOS ends it early: a cell the model fills with a non-digit
     # token is simply a wrong cell (and the givens of a clamped run stay in place).
-    return model.sampling_config.replace(max_new_tokens=81, max_denoising_steps=args.steps, seed=args.seed,
-                                         entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
-                                         eos_token_ids=(), pad_token_id=SudokuVocab.PAD)
+    return model.sampling_config.replace(max_new_tokens=81, seed=args.seed, eos_token_ids=(),
+                                         pad_token_id=SudokuVocab.PAD, **denoising_overrides(args))
 
 
 def _template(puzzle):
