@@ -177,7 +177,7 @@ def sampler_step(
         argmax = torch.where(fixed, fixed_tokens, argmax)
     accepted = entropy_bound_accept(entropy, entropy_bound)
     drawn = accepted if fixed is None else accepted & ~fixed
-    canvas = noise.clone() if fixed is None else torch.where(fixed, fixed_tokens, noise)
+    canvas = noise if fixed is None else torch.where(fixed, fixed_tokens, noise)  # samples go in below
     where = drawn.view(-1).nonzero()[:, 0]  # flat positions that keep their sample
     for start in range(0, where.numel(), step):
         index = where[start : start + step]
