@@ -23,14 +23,14 @@ DECODING=${DECODING:-scripts/sudoku-decoding.json}
 DECODE_ARGS=$(python - "$DEST.tmp/generation_config.json" "$DECODING" <<'PY'
 import json, sys
 from pathlib import Path
+from dgemma.config import SamplingConfig
 path, chosen = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
 gen = json.loads(path.read_text())
-for key in ("t_max", "t_min", "max_denoising_steps"):
-    gen[key] = chosen[key]
-gen["sampler_config"]["entropy_bound"] = chosen["entropy_bound"]
+knobs = {key: chosen[key] for key in ("t_max", "t_min", "max_denoising_steps", "entropy_bound")}
+gen.update(SamplingConfig.from_hf_dict(gen).replace(**knobs).to_hf_dict())  # as save_pretrained writes it
 path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-print(f"--t-max {chosen['t_max']} --t-min {chosen['t_min']} --steps {chosen['max_denoising_steps']} "
-      f"--entropy-bound {chosen['entropy_bound']}")
+print(f"--t-max {knobs['t_max']} --t-min {knobs['t_min']} --steps {knobs['max_denoising_steps']} "
+      f"--entropy-bound {knobs['entropy_bound']}")
 PY
 )
 cp "$DECODING" "$DEST.tmp/decoding.json"

@@ -5,15 +5,21 @@ import os
 import sys
 from pathlib import Path
 
+from dgemma.config import SamplingConfig
+
 folder = Path(sys.argv[1])
 state = json.loads((folder / "trainer_state.json").read_text())
 rows = []
 compare_step = sys.argv[2] if len(sys.argv) > 2 else "?"
 ar_step = sys.argv[3] if len(sys.argv) > 3 else "?"
-gen = json.loads((folder / "generation_config.json").read_text())
-decoding = (f"T {gen['t_max']} -> {gen['t_min']}, at most {gen['max_denoising_steps']} steps, "
-            f"entropy bound {gen['sampler_config']['entropy_bound']}")
-released = "T 0.8 -> 0.4, at most 48 steps, entropy bound 0.1"  # what training writes: SamplingConfig's defaults
+
+
+def describe(s: SamplingConfig) -> str:
+    return f"T {s.t_max} -> {s.t_min}, at most {s.max_denoising_steps} steps, entropy bound {s.entropy_bound}"
+
+
+decoding = describe(SamplingConfig.from_hf_dict(json.loads((folder / "generation_config.json").read_text())))
+released = describe(SamplingConfig())  # what training writes: the released generation_config's values
 for mode, label in (("diffusion", "diffusion (shipped)"), ("diffusion-clamped", "diffusion, givens clamped"),
                     ("diffusion-int8", "diffusion, int8 weights"),
                     ("diffusion-released", "diffusion, released decoding"),
