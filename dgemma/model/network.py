@@ -43,13 +43,22 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
 
 
+_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+
+
 def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation. Inside a compiled graph it is written as x * sigmoid(2u), the same
+    function as 0.5 x (1 + tanh(u)) (to ~1e-6), because inductor's CPU sigmoid is ~2x faster than its
+    tanh; eagerly, torch's one fused kernel is faster than the five ops of that form."""
+    if torch.compiler.is_compiling():
+        x32 = x.float()
+        return (x32 * torch.sigmoid(_GELU_SCALE * (x32 + 0.044715 * x32 * x32 * x32))).to(x.dtype)
     return F.gelu(x, approximate="tanh")
 
 
-def gated_gelu(gate_up: torch.Tensor) -> torch.Tensor:
-    """(..., 2I) fused gate and up projections -> gelu(gate) * up (..., I)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def gated_gelu(gate_up: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """(..., 2I, ...) fused gate and up projections along `dim` -> gelu(gate) * up (..., I, ...)."""
+    gate, up = gate_up.chunk(2, dim=dim)
     return gelu(gate) * up
 
 
@@ -140,10 +149,13 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E gated MLPs stored fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
 
-    Tokens are grouped by expert, then run one of three ways:
-      grouped    -- on CUDA in bf16, torch's grouped GEMM over the sorted tokens: no padding, no host sync;
-      batched    -- one batched matmul per projection over an (E, C, H) grid padded to the busiest
-                    expert's C tokens: on CPU ~2x faster than E small matmuls;
+    Each (token, choice) entry gets its rank among the entries of its expert (a running count, no
+    sort); with the per-expert counts that places it in any grouped layout. Then one of three ways:
+      grouped    -- on CUDA in bf16, torch's grouped GEMM over the tokens in expert order: no padding,
+                    no host sync;
+      batched    -- one batched matmul per projection over a grid padded to the busiest expert's C
+                    tokens, computed as W[e] @ grid[e].T (E, out, C): on a CPU, ~20% faster than
+                    grid @ W.T for these short grids, and ~2x faster than E small matmuls;
       per expert -- one matmul per active expert, when routing is so skewed that padding would more
                     than double the work, or when weights must be dequantised expert by expert.
     """
@@ -162,9 +174,9 @@ class Experts(nn.Module):
         """(gate_up (2I, H), down (H, I)) for expert e; quantised subclasses dequantise here."""
         return self.gate_up_proj[e], self.down_proj[e]
 
-    def project(self, name: str, grid: torch.Tensor) -> torch.Tensor:
-        """All experts at once: grid (E, C, in) @ weight[e].T -> (E, C, out); adapters add their term here."""
-        return torch.bmm(grid, getattr(self, name).transpose(1, 2))
+    def project(self, name: str, columns: torch.Tensor) -> torch.Tensor:
+        """All experts at once: weight[e] @ columns[e], (E, in, C) -> (E, out, C); adapters add their term."""
+        return torch.bmm(getattr(self, name), columns)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (N, H), weights/experts (N, k) -> (N, H): the routing-weighted sum of each token's k experts."""
@@ -179,21 +191,27 @@ class Experts(nn.Module):
         N, k = experts.shape
         num_experts = self.gate_up_proj.shape[0]
         flat_expert = experts.reshape(-1)  # (N*k,) one entry per (token, choice)
-        order = flat_expert.argsort(stable=True)  # group the entries by expert
-        token_of = order // k
-        counts = torch.bincount(flat_expert, minlength=num_experts)
+        seen = (flat_expert[:, None] == torch.arange(num_experts, device=x.device)).cumsum(0)  # (N*k, E)
+        rank = seen.gather(1, flat_expert[:, None])[:, 0] - 1  # earlier entries of the same expert
+        counts = seen[-1]  # (E,)
+        entries = x.repeat_interleave(k, dim=0)  # (N*k, H) the token of every entry
         if self.batched and self.grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            sorted_out = self._grouped(x[token_of], counts)  # no host sync on this path
+            out = self._in_expert_order(self._grouped, entries, flat_expert, rank, counts, counts)  # no host sync
         else:
             busiest = int(counts.max())
             if self.batched and num_experts * busiest <= self.max_padding * N * k:
-                sorted_out = self._batched(x[token_of], flat_expert[order], counts, _round_up(busiest))
+                out = self._batched(entries, flat_expert, rank, _round_up(busiest))
             else:
-                sorted_out = self._per_expert(x[token_of], counts.tolist())
-        # back to (token, choice) order: a scatter of rows (cheaper on CPU than index_add into the output)
-        out = torch.empty_like(sorted_out)
-        out[order] = sorted_out
+                out = self._in_expert_order(self._per_expert, entries, flat_expert, rank, counts, counts.tolist())
         return out.view(N, k, -1)
+
+    @staticmethod
+    def _in_expert_order(run, entries, flat_expert, rank, counts, *args):
+        """Run `run(sorted_entries, *args)` on the entries laid out expert by expert, and return its rows
+        in entry order again."""
+        row = (counts.cumsum(0) - counts)[flat_expert] + rank  # (N*k,) row of each entry when sorted
+        ordered = torch.empty_like(entries).index_copy_(0, row, entries)
+        return run(ordered, *args)[row]
 
     def _grouped(self, grouped_x, counts) -> torch.Tensor:
         """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H); offsets stay on the device."""
@@ -201,16 +219,15 @@ class Experts(nn.Module):
         hidden = gated_gelu(torch._grouped_mm(grouped_x, self.gate_up_proj.transpose(1, 2), offs=ends))
         return torch._grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
 
-    def _batched(self, grouped_x, sorted_expert, counts, capacity: int) -> torch.Tensor:
-        """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H), via an (E, C, H) grid."""
-        E, H = counts.shape[0], grouped_x.shape[-1]
-        first = counts.cumsum(0) - counts  # (E,) where each expert's entries start
-        rank = torch.arange(grouped_x.shape[0], device=grouped_x.device) - first[sorted_expert]
-        slot = sorted_expert * capacity + rank  # (N*k,) cell of each entry in the flattened grid
-        grid = grouped_x.new_zeros(E * capacity, H).index_copy(0, slot, grouped_x)  # zero rows stay zero
-        hidden = gated_gelu(self.project("gate_up_proj", grid.view(E, capacity, H)))
-        out = self.project("down_proj", hidden)  # (E, C, H)
-        return out.view(E * capacity, H)[slot]
+    def _batched(self, entries, flat_expert, rank, capacity: int) -> torch.Tensor:
+        """entries (N*k, H) -> expert outputs (N*k, H), via a grid of `capacity` columns per expert."""
+        E, H = self.gate_up_proj.shape[0], entries.shape[-1]
+        slot = rank.add(flat_expert, alpha=capacity)  # (N*k,) cell of each entry in the (E * C, H) grid
+        grid = entries.new_zeros(E * capacity, H).index_copy(0, slot, entries)  # zero rows stay zero
+        columns = grid.view(E, capacity, H).transpose(1, 2)  # (E, H, C)
+        hidden = gated_gelu(self.project("gate_up_proj", columns), dim=1)  # (E, I, C)
+        out = self.project("down_proj", hidden)  # (E, H, C)
+        return out.transpose(1, 2)[flat_expert, rank]
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
         sorted_out = torch.empty_like(grouped_x)

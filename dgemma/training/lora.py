@@ -73,11 +73,11 @@ class LoRAExperts(Experts):
         down = self.down_proj[e] + self.scale * (self.lora_down_B[e] @ self.lora_down_A[e])
         return gate_up, down
 
-    def project(self, name: str, grid: torch.Tensor) -> torch.Tensor:
-        """Batched path: the frozen product plus scale * (grid @ A[e].T) @ B[e].T, never a merged weight."""
+    def project(self, name: str, columns: torch.Tensor) -> torch.Tensor:
+        """Batched path: the frozen product plus scale * B[e] @ (A[e] @ columns[e]), never a merged weight."""
         A, B = getattr(self, f"lora_{name[:-5]}_A"), getattr(self, f"lora_{name[:-5]}_B")  # "gate_up", "down"
-        low_rank = torch.bmm(torch.bmm(grid.to(A.dtype), A.transpose(1, 2)), B.transpose(1, 2))
-        return super().project(name, grid) + (self.scale * low_rank).to(grid.dtype)
+        low_rank = torch.bmm(B, torch.bmm(A, columns.to(A.dtype)))
+        return super().project(name, columns) + (self.scale * low_rank).to(columns.dtype)
 
 
 def _matches(name: str, target: str) -> bool:
