@@ -171,7 +171,7 @@ def test_rows_at_different_lengths_share_one_cache(hf_checkpoints):
 @pytest.mark.parametrize("adapted", [False, True])
 def test_batched_experts_equal_one_matmul_per_expert(adapted):
     """The padded (E, C, H) batched path and the per-expert loop are the same function (with LoRA too),
-    and skewed routing (too much padding) falls back to the loop."""
+    also for a single token, and the loop is chosen where the grid would cost more (skewed routing)."""
     from dgemma.model.network import Experts
     from dgemma.training.lora import LoRAExperts
 
@@ -186,21 +186,21 @@ def test_batched_experts_equal_one_matmul_per_expert(adapted):
         with torch.no_grad():
             experts.lora_gate_up_B.normal_(generator=g)
             experts.lora_down_B.normal_(generator=g)
-    N, k, E = 40, config.top_k_experts, config.num_experts
+    N, k, E = 600, config.top_k_experts, config.num_experts
     x = torch.randn(N, config.hidden_size, generator=g)
     weights = torch.rand(N, k, generator=g)
     balanced = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
     skewed = torch.stack([torch.tensor([0, 1 + i % (E - 1)]) for i in range(N)])  # expert 0 takes every token
-    experts.max_padding = 1.5  # tiny has 4 experts: all tokens on one would be 2x padding
     calls = []
     experts._per_expert = (lambda f: lambda *a: calls.append("loop") or f(*a))(experts._per_expert)
-    for choice in (balanced, skewed):
-        batched = experts(x, weights, choice)
-        experts.max_padding = 0.0  # force the loop
-        looped = experts(x, weights, choice)
-        experts.max_padding = 1.5
-        torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
-    assert calls == ["loop", "loop", "loop"]  # forced twice, and the skewed routing chose it itself
+    for choice in (balanced, skewed, balanced[:1]):
+        chosen = experts(x[: len(choice)], weights[: len(choice)], choice)
+        experts.grid_preference = 0.0  # force the loop
+        looped = experts(x[: len(choice)], weights[: len(choice)], choice)
+        experts.grid_preference = 1.0
+        torch.testing.assert_close(chosen, looped, rtol=1e-5, atol=1e-5)
+    # forced three times, and the skewed routing (a grid of 4 x 600 rows for 1,200 entries) chose it itself
+    assert calls == ["loop", "loop", "loop", "loop"]
     if not adapted:  # the CUDA path, grouped GEMM, through torch's CPU implementation of it
         for choice in (balanced, skewed):
             N, k = choice.shape
@@ -234,3 +234,22 @@ def test_generation_cache_layout_k_eq_v_once_and_canvas_slots(hf_checkpoints):
     # the reserved slots do not leak between calls: the same canvas again gives the same logits
     model.denoise(torch.randint(0, c.vocab_size, (2, c.canvas_length)), cache, rows=rows)
     torch.testing.assert_close(model.denoise(canvas, cache, rows=rows), first, rtol=0, atol=0)
+
+
+def test_expert_path_follows_the_cost_model():
+    """16 experts: one token on 2 of them runs the loop (a grid would read all 16 experts' weights), a
+    64-token prefill runs the grid (the loop would be 16 matmul calls for ~8 rows each)."""
+    from dgemma.model.network import Experts
+
+    experts = Experts(dgemma.get_preset("bench-20m"))
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
+    torch.nn.init.normal_(experts.down_proj, std=0.02)
+    calls = []
+    experts._per_expert = (lambda f: lambda *a: calls.append("loop") or f(*a))(experts._per_expert)
+    experts._batched = (lambda f: lambda *a: calls.append("grid") or f(*a))(experts._batched)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (1, 64):
+            choice = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(n)])
+            experts(torch.randn(n, 256, generator=g), torch.rand(n, 2, generator=g), choice)
+    assert calls == ["loop", "grid"]
