@@ -50,7 +50,8 @@ class Measurement:
     tokens_per_forward: float | None
     peak_rss_bytes: int
     gpu_peak_bytes: int | None = None
-    rss_before_bytes: int | None = None  # engine runs: resident memory right before the timed runs
+    rss_before_bytes: int | None = None  # engine runs: the least resident memory any run started with
+    group: str = "eager"  # the systems timed turn about with this one ("eager" or "compiled" engine)
 
 
 def _sync(device):
@@ -67,90 +68,149 @@ def _gpu_peak(device):
     return torch.cuda.max_memory_allocated() if str(device).startswith("cuda") else None
 
 
-def bench_engine(model, prompts, sampling: SamplingConfig, repeats: int) -> Measurement:
-    from dgemma.engine import Engine
+class Timed:
+    """One system under measurement: warmed up when made, then `run(r)` times one whole generation.
 
-    batch = len(prompts)
-    need = len(prompts[0]) + math.ceil(sampling.max_new_tokens / model.config.canvas_length) * model.config.canvas_length
-    engine = Engine(model, max_batch=batch, max_length=need, max_queue=batch)
-    engine.generate(prompts, sampling.replace(max_new_tokens=model.config.canvas_length), seeds=list(range(batch)))
-    times, ttfcs, tpf, steps = [], [], [], []
-    _gpu_reset(model.device)
-    rss_before = rss_bytes()  # model, cache and runtime in place, warmed up
-    reset_peak_rss()
-    for r in range(repeats):
-        engine.forwards = 0
-        _sync(model.device)
+    Systems are timed turn about (`interleave`), so a slow minute of a shared machine slows every
+    system of a comparison instead of whichever happened to run then. Resident-memory peaks are taken
+    per run (reset just before it), so they do not mix systems either.
+    """
+
+    system: str
+
+    def __init__(self, batch: int, device):
+        self.batch, self.device = batch, device
+        self.runs: list[dict] = []
+
+    def generate(self, r: int) -> dict:
+        """Run generation number r; return whatever `measurement` needs beyond wall time."""
+        raise NotImplementedError
+
+    def run(self, r: int):
+        _gpu_reset(self.device)
+        rss_before = rss_bytes()
+        reset_peak_rss()
+        _sync(self.device)
         start = time.perf_counter()
-        requests = engine.generate(prompts, sampling, seeds=[r * batch + i for i in range(batch)])
-        _sync(model.device)
-        times.append(time.perf_counter() - start)
-        steps.append(engine.forwards)
-        ttfcs.append(statistics.mean(q.t_first_canvas - q.t_submit for q in requests))
-        tpf.append(statistics.mean(q.stats()["tokens_per_forward"] for q in requests))
-    best = min(range(repeats), key=lambda i: times[i])
-    generated = batch * sampling.max_new_tokens
-    return Measurement(
-        system="engine-fixed" if sampling.fixed_steps else "engine-adaptive", batch=batch,
-        tokens_per_s=generated / times[best], ms_per_step=1000 * times[best] / max(steps[best], 1),
-        ttfc_s=ttfcs[best], tokens_per_forward=tpf[best], peak_rss_bytes=rss_bytes("VmHWM"),
-        gpu_peak_bytes=_gpu_peak(model.device), rss_before_bytes=rss_before,
-    )
+        extra = self.generate(r)
+        _sync(self.device)
+        self.runs.append(dict(extra, seconds=time.perf_counter() - start, rss_before=rss_before,
+                              peak_rss=rss_bytes("VmHWM"), gpu_peak=_gpu_peak(self.device)))
+
+    def fastest(self) -> dict:
+        return min(self.runs, key=lambda run: run["seconds"])
+
+    def within_budget(self, extra_bytes: int) -> bool:
+        """Every run's peak resident memory within 10% over what it started with plus `extra_bytes`."""
+        return all(run["peak_rss"] <= 1.1 * (run["rss_before"] + extra_bytes) for run in self.runs)
 
 
-def bench_transformers(folder, prompts, sampling: SamplingConfig, dtype, device, repeats: int) -> Measurement:
+def interleave(systems: list[Timed], repeats: int):
+    """`repeats` rounds, each running every system once; the order flips every round so that no system
+    always runs right after the same neighbour."""
+    for r in range(repeats):
+        for timed in systems if r % 2 == 0 else systems[::-1]:
+            timed.run(r)
+
+
+class EngineTimed(Timed):
+    def __init__(self, model, prompts, sampling: SamplingConfig, system: str):
+        from dgemma.engine import Engine
+
+        super().__init__(len(prompts), model.device)
+        self.system, self.prompts, self.sampling = system, prompts, sampling
+        L = model.config.canvas_length
+        need = len(prompts[0]) + math.ceil(sampling.max_new_tokens / L) * L
+        self.engine = Engine(model, max_batch=self.batch, max_length=need, max_queue=self.batch)
+        self.engine.generate(prompts, sampling.replace(max_new_tokens=L), seeds=list(range(self.batch)))  # warm-up
+
+    def generate(self, r: int) -> dict:
+        self.engine.forwards = 0
+        requests = self.engine.generate(self.prompts, self.sampling, seeds=[r * self.batch + i for i in range(self.batch)])
+        return {"steps": self.engine.forwards,
+                "ttfc": statistics.mean(q.t_first_canvas - q.t_submit for q in requests),
+                "tpf": statistics.mean(q.stats()["tokens_per_forward"] for q in requests)}
+
+    def measurement(self, group: str = "eager") -> Measurement:
+        best = self.fastest()
+        return Measurement(
+            system=self.system, batch=self.batch, tokens_per_s=self.batch * self.sampling.max_new_tokens / best["seconds"],
+            ms_per_step=1000 * best["seconds"] / max(best["steps"], 1), ttfc_s=best["ttfc"],
+            tokens_per_forward=best["tpf"], peak_rss_bytes=max(run["peak_rss"] for run in self.runs),
+            gpu_peak_bytes=best["gpu_peak"], rss_before_bytes=min(run["rss_before"] for run in self.runs), group=group,
+        )
+
+
+def load_transformers(folder, dtype, device):
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()
-    ids = torch.tensor(prompts, device=device)
-    kwargs = dict(
-        max_new_tokens=sampling.max_new_tokens, max_denoising_steps=sampling.max_denoising_steps,
-        t_min=sampling.t_min, t_max=sampling.t_max, stability_threshold=sampling.stability_threshold,
-        # a threshold no mean entropy gets under = a fixed number of steps (transformers wants it > 0)
-        confidence_threshold=1e-30 if sampling.fixed_steps else sampling.confidence_threshold,
-        eos_token_id=list(sampling.eos_token_ids), pad_token_id=sampling.pad_token_id,
-    )
-    times = []
-    _gpu_reset(device)
-    reset_peak_rss()
-    with torch.no_grad():
-        hf.generate(ids, **{**kwargs, "max_new_tokens": hf.config.canvas_length})  # warm-up
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            out = hf.generate(ids, **kwargs)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    steps = sampling.max_denoising_steps * math.ceil(sampling.max_new_tokens / hf.config.canvas_length)
-    tpf = float(out.tokens_per_forward.float().mean()) if getattr(out, "tokens_per_forward", None) is not None else None
-    del hf
-    return Measurement("transformers", len(prompts), len(prompts) * sampling.max_new_tokens / min(times),
-                       1000 * min(times) / steps if sampling.fixed_steps else None, None, tpf,
-                       rss_bytes("VmHWM"), _gpu_peak(device))
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
-def bench_ar(model, prompts, new_tokens: int, eos, repeats: int) -> Measurement:
-    from dgemma.ar import generate_ar
+class TransformersTimed(Timed):
+    system = "transformers"
 
-    generate_ar(model, prompts, 8, eos_token_ids=eos)  # warm-up
-    times, firsts = [], []
-    reset_peak_rss()
-    _gpu_reset(model.device)
-    for _ in range(repeats):
-        _sync(model.device)
+    def __init__(self, hf, prompts, sampling: SamplingConfig):
+        super().__init__(len(prompts), hf.device)
+        self.hf, self.sampling = hf, sampling
+        self.ids = torch.tensor(prompts, device=hf.device)
+        self.kwargs = dict(
+            max_new_tokens=sampling.max_new_tokens, max_denoising_steps=sampling.max_denoising_steps,
+            t_min=sampling.t_min, t_max=sampling.t_max, stability_threshold=sampling.stability_threshold,
+            # a threshold no mean entropy gets under = a fixed number of steps (transformers wants it > 0)
+            confidence_threshold=1e-30 if sampling.fixed_steps else sampling.confidence_threshold,
+            eos_token_id=list(sampling.eos_token_ids), pad_token_id=sampling.pad_token_id,
+        )
+        self.tpf = None
+        with torch.no_grad():
+            hf.generate(self.ids, **{**self.kwargs, "max_new_tokens": hf.config.canvas_length})  # warm-up
+
+    def generate(self, r: int) -> dict:
+        with torch.no_grad():
+            out = self.hf.generate(self.ids, **self.kwargs)
+        if getattr(out, "tokens_per_forward", None) is not None:
+            self.tpf = float(out.tokens_per_forward.float().mean())
+        return {}
+
+    def measurement(self, group: str = "eager") -> Measurement:
+        best, s = self.fastest(), self.sampling
+        steps = s.max_denoising_steps * math.ceil(s.max_new_tokens / self.hf.config.canvas_length)
+        return Measurement("transformers", self.batch, self.batch * s.max_new_tokens / best["seconds"],
+                           1000 * best["seconds"] / steps if s.fixed_steps else None, None, self.tpf,
+                           max(run["peak_rss"] for run in self.runs), best["gpu_peak"], group=group)
+
+
+class ARTimed(Timed):
+    system = "ar"
+
+    def __init__(self, model, prompts, new_tokens: int, eos):
+        from dgemma.ar import generate_ar
+
+        super().__init__(len(prompts), model.device)
+        self.model, self.prompts, self.new_tokens, self.eos = model, prompts, new_tokens, eos
+        self.generate_ar = generate_ar
+        generate_ar(model, prompts, 8, eos_token_ids=eos)  # warm-up
+
+    def generate(self, r: int) -> dict:
         start = time.perf_counter()
-        generate_ar(model, prompts, 1, eos_token_ids=eos)
-        _sync(model.device)
-        firsts.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        generate_ar(model, prompts, new_tokens, eos_token_ids=eos)
-        _sync(model.device)
-        times.append(time.perf_counter() - start)
-    return Measurement("ar", len(prompts), len(prompts) * new_tokens / min(times), 1000 * min(times) / new_tokens,
-                       min(firsts), 1.0, rss_bytes("VmHWM"), _gpu_peak(model.device))
+        self.generate_ar(self.model, self.prompts, 1, eos_token_ids=self.eos)  # time to the first token
+        _sync(self.device)
+        first = time.perf_counter() - start
+        self.generate_ar(self.model, self.prompts, self.new_tokens, eos_token_ids=self.eos)
+        return {"first": first}
+
+    def fastest(self) -> dict:  # the timed part is the full generation, not the first-token probe
+        best = min(self.runs, key=lambda run: run["seconds"] - run["first"])
+        return dict(best, seconds=best["seconds"] - best["first"])
+
+    def measurement(self, group: str = "eager") -> Measurement:
+        best = self.fastest()
+        return Measurement("ar", self.batch, self.batch * self.new_tokens / best["seconds"],
+                           1000 * best["seconds"] / self.new_tokens, min(run["first"] for run in self.runs), 1.0,
+                           max(run["peak_rss"] for run in self.runs), best["gpu_peak"], group=group)
 
 
 def save_for_transformers(model) -> tempfile.TemporaryDirectory:

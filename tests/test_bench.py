@@ -36,6 +36,33 @@ def test_compiled_bench_reports_both_engines():
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {r["system"] for r in result["results"]} == {"engine-fixed", "engine-compiled", "ar"}
+    # AR decoding is timed twice: turn about with the eager engine, then with the compiled one
+    assert {(r["system"], r["group"]) for r in result["results"]} == {
+        ("engine-fixed", "eager"), ("ar", "eager"), ("engine-compiled", "compiled"), ("ar", "compiled")}
     assert result["compile"] and result["speedup_vs_ar"] > 0 and result["speedup_vs_ar_eager"] > 0
     assert "compiled_within_budget" in result["memory"]["1"]
+
+
+def test_systems_are_timed_turn_about():
+    """Every round runs each system once, in an order that flips every round, and each system reports
+    its fastest run and a memory peak taken per run."""
+    from dgemma import bench
+
+    order = []
+
+    class Fake(bench.Timed):
+        def __init__(self, name):
+            super().__init__(1, "cpu")
+            self.system = name
+
+        def generate(self, r):
+            order.append((r, self.system))
+            return {}
+
+    systems = [Fake("a"), Fake("b"), Fake("c")]
+    bench.interleave(systems, 3)
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+    for timed in systems:
+        assert len(timed.runs) == 3 and timed.fastest()["seconds"] == min(run["seconds"] for run in timed.runs)
+        assert all(run["peak_rss"] > 0 and run["rss_before"] > 0 for run in timed.runs)
+        assert timed.within_budget(0)

@@ -82,46 +82,55 @@ def run(args):
     adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
-    hf_folder = None
+    hf = None
     if not args.no_transformers:
         if args.quantize:
             print("note: transformers runs the unquantised weights", file=sys.stderr)
-        hf_folder = bench.save_for_transformers(_dense_copy(model, args, dtype, device))
+        hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
+        with bench.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
+            hf = bench.load_transformers(f"{folder}/model", hf_dtype, device)
     print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
     rows, budgets = [], {}
     prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
                         for b in batches}
+    need = args.prompt_len + -(-new_tokens // c.canvas_length) * c.canvas_length
+
+    def compared(engine_system: str, batch: int, prompts) -> list:
+        """Our engine, transformers and AR decoding, timed turn about (see `bench.interleave`)."""
+        systems = [bench.EngineTimed(model, prompts, fixed, engine_system)]
+        if hf is not None:
+            systems.append(bench.TransformersTimed(hf, prompts, fixed))
+        if not args.no_ar:
+            systems.append(bench.ARTimed(model, prompts, new_tokens, never))
+        bench.interleave(systems, args.repeats)
+        return systems
+
     for batch, prompts in prompts_by_batch.items():
-        rows.append(bench.bench_engine(model, prompts, fixed, args.repeats))
-        need = args.prompt_len + -(-new_tokens // c.canvas_length) * c.canvas_length
+        systems = compared("engine-fixed", batch, prompts)
+        rows += [timed.measurement("eager") for timed in systems]
         budget = bench.memory_budget(model, batch, need)
-        # resident before the timed runs already holds weights, runtime and the allocated KV cache; during
+        # resident memory before a run already holds weights, runtime and the allocated KV cache; during
         # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
-        budget["rss_before_bytes"] = base = rows[-1].rss_before_bytes
-        budget["peak_rss_bytes"] = rows[-1].peak_rss_bytes
-        budget["within_budget"] = rows[-1].peak_rss_bytes <= 1.1 * (base + budget["logits_buffer_bytes"])
+        budget["rss_before_bytes"] = rows[-len(systems)].rss_before_bytes
+        budget["peak_rss_bytes"] = rows[-len(systems)].peak_rss_bytes
+        budget["within_budget"] = systems[0].within_budget(budget["logits_buffer_bytes"])
         budgets[batch] = budget
         if not args.no_adaptive:
-            rows.append(bench.bench_engine(model, prompts, adaptive, 1))
-        if hf_folder is not None:
-            hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
-            rows.append(bench.bench_transformers(f"{hf_folder.name}/model", prompts, fixed, hf_dtype, device,
-                                                 args.repeats))
-        if not args.no_ar:
-            rows.append(bench.bench_ar(model, prompts, new_tokens, never, args.repeats))
+            adaptive_run = bench.EngineTimed(model, prompts, adaptive, "engine-adaptive")
+            adaptive_run.run(0)
+            rows.append(adaptive_run.measurement("eager"))
         print(f"  batch {batch} done", file=sys.stderr)
     if args.compile:  # after every eager run: compiling swaps the model's decoder for good
         model.compile_decoder()
-        for batch, prompts in prompts_by_batch.items():  # the same prompts as the eager runs
-            row = bench.bench_engine(model, prompts, fixed, args.repeats)
-            row.system = "engine-compiled"
-            rows.append(row)
-            budgets[batch]["compiled_peak_rss_bytes"] = row.peak_rss_bytes
-            budgets[batch]["compiled_within_budget"] = row.peak_rss_bytes <= 1.1 * (
-                row.rss_before_bytes + budgets[batch]["logits_buffer_bytes"])
+        for batch, prompts in prompts_by_batch.items():  # the same prompts, and the others timed again
+            systems = compared("engine-compiled", batch, prompts)
+            rows += [timed.measurement("compiled") for timed in systems]
+            budgets[batch]["compiled_peak_rss_bytes"] = rows[-len(systems)].peak_rss_bytes
+            budgets[batch]["compiled_within_budget"] = systems[0].within_budget(budgets[batch]["logits_buffer_bytes"])
             print(f"  batch {batch} compiled done", file=sys.stderr)
+    del hf
 
     _table(rows)
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens)
@@ -150,31 +159,34 @@ def _table(rows):
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="generation speed (best of repeats)")
-    for col in ("system", "batch", "tokens/s", "ms/step", "TTFC s", "tok/forward", "peak RSS MB"):
+    grouped = len({r.group for r in rows}) > 1
+    t = Table(title="generation speed (best of repeats; systems of one group timed turn about)")
+    for col in ("system", "batch", "tokens/s", "ms/step", "TTFC s", "tok/forward", "peak RSS MB") + (("group",) if grouped else ()):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(r.system, str(r.batch), f"{r.tokens_per_s:,.0f}",
                   "-" if r.ms_per_step is None else f"{r.ms_per_step:.1f}",
                   "-" if r.ttfc_s is None else f"{r.ttfc_s:.3f}",
                   "-" if r.tokens_per_forward is None else f"{r.tokens_per_forward:.1f}",
-                  f"{r.peak_rss_bytes / 2**20:,.0f}")
-    Console(stderr=False, width=120).print(t)
+                  f"{r.peak_rss_bytes / 2**20:,.0f}", *((r.group,) if grouped else ()))
+    Console(stderr=False, width=130).print(t)
 
 
 def _summary(rows, budgets, name, device, dtype, args, new_tokens):
-    by = {(r.system, r.batch): r for r in rows}
+    by = {(r.group, r.system, r.batch): r for r in rows}
     out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""),
            "transformers_dtype": args.transformers_dtype, "steps": args.steps,
            "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
-           "compile": args.compile,
+           "compile": args.compile, "repeats": args.repeats,
            "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
-    # the headline ratios use our fastest fixed-steps engine (compiled when it ran); eager ones are kept too
-    ours = "engine-compiled" if args.compile else "engine-fixed"
+    # Each ratio compares runs timed turn about. The headline uses our fastest fixed-steps engine
+    # (compiled when it ran); the eager engine's ratios are kept beside it.
+    engines = [("compiled", "engine-compiled", ""), ("eager", "engine-fixed", "_eager")] if args.compile \
+        else [("eager", "engine-fixed", "")]
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
-        for engine, suffix in ((ours, ""), ("engine-fixed", "_eager")) if args.compile else ((ours, ""),):
-            ratios = {str(b): round(by[(engine, b)].tokens_per_s / by[(system, b)].tokens_per_s, 3)
-                      for (s, b) in by if s == system}
+        for group, engine, suffix in engines:
+            ratios = {str(b): round(by[(group, engine, b)].tokens_per_s / by[(g, s, b)].tokens_per_s, 3)
+                      for (g, s, b) in by if s == system and g == group}
             if ratios:
                 out[key + suffix] = ratios.get("1", next(iter(ratios.values())))  # batch 1 when measured
                 out[key + suffix + "_by_batch"] = ratios
@@ -188,9 +200,11 @@ def _plot(rows, path, name, steps):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for system in dict.fromkeys(r.system for r in rows):
-        pts = sorted((r.batch, r.tokens_per_s) for r in rows if r.system == system)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    for group, system in dict.fromkeys((r.group, r.system) for r in rows):
+        pts = sorted((r.batch, r.tokens_per_s) for r in rows if (r.group, r.system) == (group, system))
+        again = group == "compiled" and system != "engine-compiled"  # the comparisons, timed again beside it
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if again else "-",
+                label=f"{system} (beside compiled)" if again else system)
     ax.set_xlabel("batch size")
     ax.set_ylabel("generated tokens / s")
     ax.set_xscale("log", base=2)
