@@ -120,9 +120,9 @@ def test_request_too_long_is_refused(model):
 
 
 def test_compiled_decoder_gives_the_same_tokens(model):
-    """`compile_decoder` (torch.compile with the routed experts as one custom op) changes speed, not
-    results: fp32 logits within rounding, and the same tokens as the eager plain loop across canvases,
-    batch sizes and prefix lengths (each a recompile)."""
+    """`compile_decoder` (torch.compile, the routed experts' grid traced with an unbacked capacity)
+    changes speed, not results: fp32 logits within rounding, and the same tokens as the eager plain loop
+    across canvases, batch sizes and prefix lengths (each a recompile)."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -146,3 +146,18 @@ def test_compiled_decoder_gives_the_same_tokens(model):
     assert [r.tokens for r in requests] == [p.tokens[0] for p in plain]
     assert not counters["graph_break"]  # one graph per shape: the experts did not split it
     assert 0 < counters["stats"]["unique_graphs"] <= 10  # decoder variants + the sampler scan: no recompile storm
+
+
+def test_compiled_quantised_decoder_gives_the_same_tokens(model):
+    """Quantised experts dequantise expert by expert, so under compile they run as the opaque custom op
+    instead of the traced grid: the same tokens as the eager quantised engine."""
+    import copy
+
+    from dgemma.model.quant import quantize_model
+
+    quantised = copy.deepcopy(model)
+    quantize_model(quantised, "int8")
+    s = _sampling()
+    eager = Engine(quantised, max_batch=1, max_length=64).generate(PROMPTS[:1], s, seeds=[7])
+    compiled = Engine(copy.deepcopy(quantised).compile_decoder(), max_batch=1, max_length=64)
+    assert compiled.generate(PROMPTS[:1], s, seeds=[7])[0].tokens == eager[0].tokens
