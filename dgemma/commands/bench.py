@@ -199,18 +199,20 @@ def _plot(rows, path, name, steps):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    colours = {}
     for group, system in dict.fromkeys((r.group, r.system) for r in rows):
         pts = sorted((r.batch, r.tokens_per_s) for r in rows if (r.group, r.system) == (group, system))
         again = group == "compiled" and system != "engine-compiled"  # the comparisons, timed again beside it
+        colours.setdefault(system, f"C{len(colours)}")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if again else "-",
-                label=f"{system} (beside compiled)" if again else system)
+                color=colours[system], label=f"{system} (beside compiled)" if again else system)
     ax.set_xlabel("batch size")
     ax.set_ylabel("generated tokens / s")
     ax.set_xscale("log", base=2)
     ax.set_title(f"{name}\nfixed {steps} steps per canvas (engine-adaptive: the model's stop rule)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
