@@ -98,3 +98,45 @@ def test_chat_answers_each_line_and_keeps_history(tiny_model_dir):
 def test_chat_refuses_a_conversation_over_the_context(tiny_model_dir):
     proc = dgemma("chat", "--model", str(tiny_model_dir), "--steps", "2", stdin=" ".join(["hello"] * 300) + "\n")
     assert proc.returncode == 2 and "no longer fits" in proc.stderr
+
+
+def test_generating_commands_keep_freed_memory_for_reuse():
+    """glibc's defaults give a large buffer its own mmap and trim freed memory off the heap, so a step's
+    buffers are page-faulted in afresh at every step. After `keep_freed_memory` (what the generating
+    commands call first) they live in the heap and stay there when freed. Read from glibc's own
+    accounting (mallinfo2), which page reclaim on the host cannot disturb."""
+    script = (
+        "import ctypes, sys, torch\n"
+        "from dgemma.cli import keep_freed_memory\n"
+        "class Info(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ordblks smblks hblks hblkhd usmblks fsmblks"
+        " uordblks fordblks keepcost'.split()]\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.mallinfo2.restype = Info\n"
+        "assert keep_freed_memory()\n"
+        "trimmed, mapped = 0, 0\n"
+        "for _ in range(4):\n"  # a step's temporaries: three 8 MB buffers (bench-20m's logits are 8 MB)
+        "    buffers = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]\n"
+        "    during = libc.mallinfo2()\n"
+        "    mapped = max(mapped, during.hblkhd)\n"
+        "    del buffers\n"
+        "    trimmed += libc.mallinfo2().arena < during.arena\n"
+        "print(trimmed, mapped)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    if "mallinfo2" in out.stderr:
+        pytest.skip("needs glibc >= 2.33")
+    assert out.returncode == 0, out.stderr
+    trimmed, mapped = map(int, out.stdout.split()[-2:])
+    assert trimmed == 0  # freed buffers stay in the heap for the next step
+    assert mapped < 8 << 20  # none of them got its own mmap (glibc starts at 128 KB)
+
+
+def test_only_generating_commands_change_the_allocator(monkeypatch, tmp_path):
+    import dgemma.cli
+
+    calls = []
+    monkeypatch.setattr(dgemma.cli, "keep_freed_memory", lambda: calls.append(True))
+    assert dgemma.cli.main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert dgemma.cli.main(["info", "--preset", "tiny"]) == 0
+    assert calls == [True]
