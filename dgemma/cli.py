@@ -92,7 +92,7 @@ def keep_freed_memory() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in GENERATING:
+    if args.command in GENERATING and getattr(args, "keep_freed_memory", True):
         keep_freed_memory()
     try:
         return args._run(args) or 0

@@ -139,4 +139,6 @@ def test_only_generating_commands_change_the_allocator(monkeypatch, tmp_path):
     monkeypatch.setattr(dgemma.cli, "keep_freed_memory", lambda: calls.append(True))
     assert dgemma.cli.main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert dgemma.cli.main(["info", "--preset", "tiny"]) == 0
-    assert calls == [True]
+    assert dgemma.cli.main(["bench", "--glibc-malloc-defaults", "--batch", "0"]) == 2  # asked to leave it
+    assert dgemma.cli.main(["bench", "--batch", "0"]) == 2
+    assert calls == [True, True]

@@ -28,6 +28,10 @@ def add_arguments(p):
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
+    p.add_argument("--glibc-malloc-defaults", dest="keep_freed_memory", action="store_false",
+                   help="leave glibc's allocator as it is (by default the process keeps freed memory for "
+                        "reuse, as the generating commands do; this changes the eager systems' speed, "
+                        "transformers' most)")
     p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size")
     p.add_argument("--seed", type=int, default=0)
 
@@ -177,7 +181,7 @@ def _summary(rows, budgets, name, device, dtype, args, new_tokens):
     out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""),
            "transformers_dtype": args.transformers_dtype, "steps": args.steps,
            "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
-           "compile": args.compile, "repeats": args.repeats,
+           "compile": args.compile, "repeats": args.repeats, "keep_freed_memory": args.keep_freed_memory,
            "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
     # Each ratio compares runs timed turn about. The headline uses our fastest fixed-steps engine
     # (compiled when it ran); the eager engine's ratios are kept beside it.

@@ -573,10 +573,9 @@ class DiffusionGemma(nn.Module):
         Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix)
         shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
         (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op. The
-        default mode lets inductor time its own kernels against ATen's and keep the faster (on a
-        2-core CPU, bench-20m: 48.5-54 ms per step, against 54 ms with the plain mode; the choices
-        follow noisy timings, so they vary between runs). CUDA graphs are left out because the
-        experts' grouping depends on the routing.
+        default mode lets inductor time its own kernels against ATen's and keep the faster (the choices
+        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: ~43-50
+        ms per step). CUDA graphs are left out because the experts' grouping depends on the routing.
         """
         for module in self.modules():
             if isinstance(module, Experts):
