@@ -8,6 +8,8 @@ autoregressive decoding of the same weights with a KV cache. Every run generates
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
 import statistics
@@ -26,6 +28,16 @@ def reset_peak_rss():
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
+        pass
+
+
+def release_freed_memory():
+    """glibc: hand freed heap memory back to the kernel (malloc_trim), so that resident memory before a run
+    is what is live, and the run's own allocations show in its peak even when the process keeps freed
+    memory for reuse (`dgemma.cli.keep_freed_memory`)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 
@@ -73,7 +85,8 @@ class Timed:
 
     Systems are timed turn about (`interleave`), so a slow minute of a shared machine slows every
     system of a comparison instead of whichever happened to run then. Resident-memory peaks are taken
-    per run (reset just before it), so they do not mix systems either.
+    per run (reset just before it, after freed memory went back to the kernel), so they do not mix
+    systems either.
     """
 
     system: str
@@ -88,6 +101,7 @@ class Timed:
 
     def run(self, r: int):
         _gpu_reset(self.device)
+        release_freed_memory()
         rss_before = rss_bytes()
         reset_peak_rss()
         _sync(self.device)

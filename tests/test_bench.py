@@ -66,3 +66,25 @@ def test_systems_are_timed_turn_about():
         assert len(timed.runs) == 3 and timed.fastest()["seconds"] == min(run["seconds"] for run in timed.runs)
         assert all(run["peak_rss"] > 0 and run["rss_before"] > 0 for run in timed.runs)
         assert timed.within_budget(0)
+
+
+def test_memory_peaks_see_each_run_even_when_freed_memory_is_kept():
+    """With freed memory kept for reuse (as `dgemma bench` runs), a run that allocates 64 MB must still
+    show 64 MB over its starting point in every repeat, not only the first."""
+    script = (
+        "import torch\n"
+        "from dgemma import bench\n"
+        "from dgemma.cli import keep_freed_memory\n"
+        "assert keep_freed_memory()\n"
+        "class Allocating(bench.Timed):\n"
+        "    system = 'allocating'\n"
+        "    def generate(self, r):\n"
+        "        torch.ones(16 << 20)\n"  # 64 MB, touched, freed at once
+        "        return {}\n"
+        "timed = Allocating(1, 'cpu')\n"
+        "bench.interleave([timed], 3)\n"
+        "print(*[(run['peak_rss'] - run['rss_before']) >> 20 for run in timed.runs])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(int(mb) >= 60 for mb in out.stdout.split()), out.stdout
