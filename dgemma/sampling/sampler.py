@@ -118,7 +118,10 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     x.sub_(x.amax(-1, keepdim=True)).clamp_(min=torch.finfo(x.dtype).min)
     e = torch.exp(x)
     z = e.sum(-1)
-    expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[s - m]
+    if torch.compiler.is_compiling():  # fused into the loop over V
+        expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[s - m]
+    else:  # eagerly vecdot would make an (n, V) product buffer; a batched matmul makes none
+        expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
     torch.div(e, z[:, None], out=x)  # the buffer now holds the probabilities
     return argmax, entropy
