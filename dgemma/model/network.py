@@ -210,7 +210,8 @@ class Experts(nn.Module):
         only when the graph runs), so inductor fuses the grid's scatter, the activation and the gather
         around the two batched matmuls: ~0.45 ms less per layer than the opaque op (bench-20m). Always the
         grid, because choosing the loop needs the routing's values while tracing; the capacity is rounded
-        up to 8 rows (few distinct buffer sizes)."""
+        up to 8 rows (few distinct buffer sizes; `_round_up` needs the value's bit length, which a traced
+        size does not have)."""
         N, k = experts.shape
         flat_expert, rank, counts = self._ranks(experts)
         busiest = counts.max().item()
@@ -446,8 +447,8 @@ class DiffusionGemma(nn.Module):
         over (B, L, V) logits that is a visible share of a denoising step. (Out of place when autograd
         needs the intermediate values.) Eagerly and without autograd, the projection is written into
         the fp32 buffer a chunk of positions at a time, so that its model-dtype output is a chunk, not
-        half a (B, L, V) fp32 buffer more (bench-20m, batch 4: peak live tensors 51 -> 35 MB over the
-        weights); a compiled graph plans that memory itself.
+        half a (B, L, V) fp32 buffer more beside the logits (bench-20m, batch 4: 16 MB of bf16 at that
+        moment); a compiled graph plans that memory itself.
         """
         normed = self.norm(hidden)
         weight, cap = self.embed_tokens.weight, self.config.final_logit_softcapping
