@@ -8,8 +8,6 @@ autoregressive decoding of the same weights with a KV cache. Every run generates
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import os
 import statistics
@@ -19,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dgemma.cli import release_freed_memory
 from dgemma.config import SamplingConfig
 
 
@@ -28,16 +27,6 @@ def reset_peak_rss():
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
-
-
-def release_freed_memory():
-    """glibc: hand freed heap memory back to the kernel (malloc_trim), so that resident memory before a run
-    is what is live, and the run's own allocations show in its peak even when the process keeps freed
-    memory for reuse (`dgemma.cli.keep_freed_memory`)."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
         pass
 
 

@@ -67,6 +67,20 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 GENERATING = {"generate", "chat", "serve", "bench", "sudoku"}
 
 
+def _glibc():
+    """The C library when it is glibc (it has mallopt and malloc_trim), else None."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Make glibc keep freed blocks for reuse instead of handing them back to the kernel.
 
@@ -76,17 +90,20 @@ def keep_freed_memory() -> bool:
     time per 256-token generation; with this, a few hundred). Peak memory is unchanged; memory freed after
     the peak stays with the process. Linux with glibc only; returns False where it does nothing.
     """
-    import ctypes
-    import ctypes.util
+    libc = _glibc()
+    if libc is None:  # not glibc (musl has no mallopt)
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
+
+def release_freed_memory():
+    """glibc: hand freed heap memory back to the kernel now (malloc_trim); `dgemma bench` does this before
+    every timed run, so that resident memory before a run is what is live and the run's own allocations
+    show in its peak even while freed memory is kept for reuse (`keep_freed_memory`)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def main(argv: list[str] | None = None) -> int:

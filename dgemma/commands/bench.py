@@ -114,11 +114,12 @@ def run(args):
     for batch, prompts in prompts_by_batch.items():
         systems = compared("engine-fixed", batch, prompts)
         rows += [timed.measurement("eager") for timed in systems]
+        engine = rows[-len(systems)]
         budget = bench.memory_budget(model, batch, need)
         # resident memory before a run already holds weights, runtime and the allocated KV cache; during
         # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
-        budget["rss_before_bytes"] = rows[-len(systems)].rss_before_bytes
-        budget["peak_rss_bytes"] = rows[-len(systems)].peak_rss_bytes
+        budget["rss_before_bytes"] = engine.rss_before_bytes
+        budget["peak_rss_bytes"] = engine.peak_rss_bytes
         budget["within_budget"] = systems[0].within_budget(budget["logits_buffer_bytes"])
         budgets[batch] = budget
         if not args.no_adaptive:
