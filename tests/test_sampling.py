@@ -184,6 +184,26 @@ def test_chunking_changes_nothing_on_cpu():
             assert torch.equal(getattr(result, name), getattr(results[0][1], name)), name
 
 
+def test_compiled_scan_matches_the_eager_scan_ties_and_masked_tokens_included():
+    """The engine compiles `scan_logits` with a compiled model, where argmax is found as the first index
+    holding the row's max: the same indices as torch.argmax, also for tied maxima and -inf logits."""
+    from dgemma.sampling.sampler import scan_logits
+
+    logits = spread_logits(1, 12, 50, seed=8)[0]
+    logits[0, [3, 17, 40]] = logits[0].max() + 1.0  # a three-way tie: the first must win
+    logits[1, :] = 0.0  # all tied: index 0
+    logits[2, 10:] = float("-inf")  # masked tokens
+    logits[3, -1] = logits[3].max() + 5.0  # the last index
+    compiled = torch.compile(scan_logits, dynamic=True)
+    temperature = torch.tensor(0.7)
+    eager_buffer, compiled_buffer = logits.clone(), logits.clone()
+    eager_argmax, eager_entropy = scan_logits(eager_buffer, temperature)
+    compiled_argmax, compiled_entropy = compiled(compiled_buffer, temperature)
+    assert compiled_argmax.tolist() == eager_argmax.tolist()
+    assert eager_argmax[:4].tolist() == [3, 0, int(logits[2, :10].argmax()), 49]
+    torch.testing.assert_close(compiled_entropy, eager_entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(compiled_buffer, eager_buffer, rtol=1e-6, atol=1e-7)
+
 def test_inverse_cdf_samples_the_given_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     n = 200_000
