@@ -120,9 +120,10 @@ def test_request_too_long_is_refused(model):
 
 
 def test_compiled_decoder_gives_the_same_tokens(model):
-    """`compile_decoder` (torch.compile, the routed experts' grid traced with an unbacked capacity)
-    changes speed, not results: fp32 logits within rounding, and the same tokens as the eager plain loop
-    across canvases, batch sizes and prefix lengths (each a recompile)."""
+    """`compile_decoder` (torch.compile of the decoder and the encoder's layers, the routed experts'
+    grid traced with an unbacked capacity) changes speed, not results: fp32 logits within rounding, and
+    the same tokens as the eager plain loop across canvases, batch sizes and prefix lengths (each a
+    recompile)."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -145,7 +146,12 @@ def test_compiled_decoder_gives_the_same_tokens(model):
     requests = engine.generate(PROMPTS[:3], s, seeds=[100, 101, 102])
     assert [r.tokens for r in requests] == [p.tokens[0] for p in plain]
     assert not counters["graph_break"]  # one graph per shape: the experts did not split it
-    assert 0 < counters["stats"]["unique_graphs"] <= 10  # decoder variants + the sampler scan: no recompile storm
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for method in (dgemma.DiffusionGemma.decode_canvas, dgemma.DiffusionGemma.encode_tokens):  # both ran compiled
+        assert _debug_get_cache_entry_list(method.__code__), method.__name__
+    # decoder and encoder variants (static, then dynamic shapes) + the sampler scan: no recompile storm
+    assert 0 < counters["stats"]["unique_graphs"] <= 14
 
 
 def test_compiled_quantised_decoder_gives_the_same_tokens(model):
