@@ -204,6 +204,7 @@ def test_compiled_scan_matches_the_eager_scan_ties_and_masked_tokens_included():
     torch.testing.assert_close(compiled_entropy, eager_entropy, rtol=0, atol=1e-5)
     torch.testing.assert_close(compiled_buffer, eager_buffer, rtol=1e-6, atol=1e-7)
 
+
 def test_inverse_cdf_samples_the_given_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     n = 200_000

@@ -507,7 +507,8 @@ class DiffusionGemma(nn.Module):
             masks[sliding] = causal_mask(positions, key_positions[sliding], window)
         key_rope = {False: rope_tables(key_positions[False], self.inv_freq(False), self.dtype), True: None}
         prefixes = [cache.view(i, block.self_attn.sliding, rows)[:2] for i, block in enumerate(self.layers)]
-        layers = self._compiled_encoder if self._compiled_encoder and not torch.is_grad_enabled() else self.encode_tokens
+        compiled = self._compiled_encoder is not None and not torch.is_grad_enabled()
+        layers = self._compiled_encoder if compiled else self.encode_tokens
         x, entries = layers(input_ids, prefixes, rope, key_rope, masks)
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
