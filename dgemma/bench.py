@@ -118,12 +118,12 @@ def interleave(systems: list[Timed], repeats: int):
 
 class EngineTimed(Timed):
     def __init__(self, model, prompts, sampling: SamplingConfig, system: str):
-        from dgemma.engine import Engine
+        from dgemma.engine import Engine, positions_needed
 
         super().__init__(len(prompts), model.device)
         self.system, self.prompts, self.sampling = system, prompts, sampling
         L = model.config.canvas_length
-        need = len(prompts[0]) + math.ceil(sampling.max_new_tokens / L) * L
+        need = positions_needed(len(prompts[0]), sampling.max_new_tokens, L)
         self.engine = Engine(model, max_batch=self.batch, max_length=need, max_queue=self.batch)
         self.engine.generate(prompts, sampling.replace(max_new_tokens=L), seeds=list(range(self.batch)))  # warm-up
 

@@ -58,6 +58,7 @@ def run(args):
     import dgemma
     from dgemma import bench
     from dgemma.cli import UsageError
+    from dgemma.engine import positions_needed
 
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
@@ -99,7 +100,7 @@ def run(args):
     rows, budgets = [], {}
     prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
                         for b in batches}
-    need = args.prompt_len + -(-new_tokens // c.canvas_length) * c.canvas_length
+    need = positions_needed(args.prompt_len, new_tokens, c.canvas_length)
 
     def compared(engine_system: str, batch: int, prompts) -> list:
         """Our engine, transformers and AR decoding, timed turn about (see `bench.interleave`)."""

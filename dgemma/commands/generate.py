@@ -77,7 +77,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 def run(args):
     from dgemma.cli import UsageError
-    from dgemma.engine import Engine, Request
+    from dgemma.engine import Engine, Request, positions_needed
     from dgemma.tokenizer import Tokenizer
 
     text = read_prompt(args.prompt)
@@ -96,8 +96,7 @@ def run(args):
 
     import rich.console
 
-    canvases = -(-sampling.max_new_tokens // model.config.canvas_length)  # ceil
-    need = len(prompt) + canvases * model.config.canvas_length
+    need = positions_needed(len(prompt), sampling.max_new_tokens, model.config.canvas_length)
     if need > context:
         raise UsageError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceed the "
                          f"model's context of {context}")

@@ -29,6 +29,11 @@ from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sa
 from dgemma.sampling.sampler import scan_logits
 
 
+def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
+    """Cache positions a request takes: its prompt, then whole canvases until max_new_tokens fit."""
+    return prompt_len + math.ceil(max_new_tokens / canvas_length) * canvas_length
+
+
 class QueueFull(Exception):
     """More requests are waiting than the engine accepts; retry later."""
 
@@ -55,7 +60,7 @@ class Engine:
         return self.runner.cache.max_length
 
     def tokens_needed(self, prompt_len: int, sampling: SamplingConfig) -> int:
-        return prompt_len + math.ceil(sampling.max_new_tokens / self.canvas_length) * self.canvas_length
+        return positions_needed(prompt_len, sampling.max_new_tokens, self.canvas_length)
 
     # -- requests in and out (any thread) ----------------------------------------------------
     def submit(self, request: Request) -> Request:
