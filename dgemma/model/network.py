@@ -613,8 +613,8 @@ class DiffusionGemma(nn.Module):
         shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
         (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op. The
         default mode lets inductor time its own kernels against ATen's and keep the faster (the choices
-        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: ~40-47
-        ms per step). CUDA graphs are left out because the experts' grouping depends on the routing.
+        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: ~36-38
+        ms per step in `dgemma bench`). CUDA graphs are left out because the experts' grouping depends on the routing.
 
         `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels
         and allocates their buffers in C++ instead of Python: ~2 ms of interpreter time per step on
