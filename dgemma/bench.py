@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dgemma.cli import release_freed_memory
+from dgemma.allocator import release_freed_memory
 from dgemma.config import SamplingConfig
 
 

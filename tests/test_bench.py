@@ -74,7 +74,7 @@ def test_memory_peaks_see_each_run_even_when_freed_memory_is_kept():
     script = (
         "import torch\n"
         "from dgemma import bench\n"
-        "from dgemma.cli import keep_freed_memory\n"
+        "from dgemma.allocator import keep_freed_memory\n"
         "assert keep_freed_memory()\n"
         "class Allocating(bench.Timed):\n"
         "    system = 'allocating'\n"
