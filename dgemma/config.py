@@ -365,7 +365,7 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=_tiny_layers(4), num_experts=4, top_k_experts=2, moe_intermediate_size=32,
         max_position_embeddings=4096, canvas_length=16,
     ),
-    # Benchmarks: 20.0M parameters (experts 12.6M, 3.2M active per token), vocab 8192, 8 layers, 16
+    # Benchmarks: 20.0M parameters (experts 12.6M; 8.6M active per token), vocab 8192, 8 layers, 16
     # experts top-2, canvas 256. Until session 7 the experts were 256 wide, which made it 32.6M under
     # this name; halving them made the name true and the expert width half the hidden size (the
     # released model's is a quarter).
