@@ -209,10 +209,10 @@ class Experts(nn.Module):
     def _traced_grid(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The grid path as graph ops, for a compiled graph on CPU. The capacity is an unbacked size (known
         only when the graph runs), so inductor fuses the grid's scatter, the activation and the gather
-        around the two batched matmuls: ~0.45 ms less per layer than the opaque op (16 experts 256 wide). Always the
-        grid, because choosing the loop needs the routing's values while tracing; the capacity is rounded
-        up to 8 rows (few distinct buffer sizes; `_round_up` needs the value's bit length, which a traced
-        size does not have)."""
+        around the two batched matmuls: ~0.45 ms less per layer than the opaque op (16 experts 256 wide).
+        Always the grid, because choosing the loop needs the routing's values while tracing; the capacity is
+        rounded up to 8 rows (few distinct buffer sizes; `_round_up` needs the value's bit length, which a
+        traced size does not have)."""
         N, k = experts.shape
         flat_expert, rank, counts = self._ranks(experts)
         busiest = counts.max().item()
@@ -606,15 +606,16 @@ class DiffusionGemma(nn.Module):
     def compile_decoder(self, mode: str | None = "max-autotune-no-cudagraphs", cpp_wrapper: bool | None = None):
         """Compile `decode_canvas` with torch.compile (inductor), and the encoder's layers (`encode_tokens`)
         for passes without gradients: prompts, committed canvases and autoregressive tokens (bench-20m's
-        earlier, 32.6M-parameter shape, a 64-token prompt: 24 ms eagerly, ~1.5 ms of every denoising step of a
-        one-canvas answer).
+        earlier, 32.6M-parameter shape, a 64-token prompt: 24 ms eagerly, ~1.5 ms of every denoising step
+        of a one-canvas answer).
 
         Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix)
         shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
         (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op. The
         default mode lets inductor time its own kernels against ATen's and keep the faster (the choices
-        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: ~36-38
-        ms per step in `dgemma bench`). CUDA graphs are left out because the experts' grouping depends on the routing.
+        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: 36-42 ms
+        per step in `dgemma bench`). CUDA graphs are left out because the experts' grouping depends on the
+        routing.
 
         `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels
         and allocates their buffers in C++ instead of Python: ~2 ms of interpreter time per step on
