@@ -390,7 +390,6 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
         self._inv_freq: dict = {}
-        self.decoder_compiled = False
         self._compiled_encoder = None  # `encode_tokens` compiled, for passes without gradients
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
@@ -633,8 +632,12 @@ class DiffusionGemma(nn.Module):
             options["cpp_wrapper"] = self.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
             self.decode_canvas = torch.compile(self.decode_canvas, options=options)
             self._compiled_encoder = torch.compile(self.encode_tokens, options=options)
-            self.decoder_compiled = True
         return self
+
+    @property
+    def decoder_compiled(self) -> bool:
+        """Whether `compile_decoder` has run (it compiles the decoder and the encoder's layers together)."""
+        return self._compiled_encoder is not None
 
     def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of
