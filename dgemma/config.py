@@ -256,6 +256,91 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass
+class VisionConfig:
+    """The Gemma 4 vision tower (`vision_config` in config.json): a ViT over square pixel patches with 2-D RoPE,
+    whose outputs are average-pooled `pooling_kernel_size` x `pooling_kernel_size` into soft tokens."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_layers: int = 16
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10_240  # rows of the learned x and y position tables
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    use_clipped_linears: bool = False  # linears clamp their input and output to stored ranges
+    standardize: bool = False  # soft tokens get (x - std_bias) * std_scale
+
+    def __post_init__(self):
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"vision num_heads={self.num_heads} is not a multiple of kv heads {self.num_kv_heads}")
+        if self.head_dim % 4:  # half of each head turns with x, half with y, each in rotating pairs
+            raise ConfigError(f"vision head_dim={self.head_dim} must be a multiple of 4 (2-D RoPE)")
+        if self.patch_size < 1 or self.pooling_kernel_size < 1:
+            raise ConfigError("vision patch_size and pooling_kernel_size must be >= 1")
+
+    @classmethod
+    def from_hf_dict(cls, vision: dict[str, Any]) -> "VisionConfig":
+        if vision.get("model_type", "gemma4_vision") != "gemma4_vision":
+            raise ConfigError(f"unsupported vision tower {vision.get('model_type')!r} (expected gemma4_vision)")
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"unsupported vision rope {rope}")
+        if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ConfigError(f"unsupported vision activation {vision.get('hidden_activation')}")
+        if vision.get("attention_bias"):
+            raise ConfigError("vision attention_bias=True is not supported")
+        if vision.get("output_proj_dims", vision.get("hidden_size")) != vision.get("hidden_size"):
+            raise ConfigError("vision output_proj_dims different from hidden_size is not supported")
+        d = cls()
+        return cls(
+            hidden_size=vision.get("hidden_size", d.hidden_size),
+            intermediate_size=vision.get("intermediate_size", d.intermediate_size),
+            num_layers=vision.get("num_hidden_layers", d.num_layers),
+            num_heads=vision.get("num_attention_heads", d.num_heads),
+            num_kv_heads=vision.get("num_key_value_heads", d.num_kv_heads),
+            head_dim=vision.get("head_dim") or d.head_dim,
+            patch_size=vision.get("patch_size", d.patch_size),
+            pooling_kernel_size=vision.get("pooling_kernel_size", d.pooling_kernel_size),
+            position_embedding_size=vision.get("position_embedding_size", d.position_embedding_size),
+            rope_theta=rope.get("rope_theta", d.rope_theta),
+            rms_norm_eps=vision.get("rms_norm_eps", d.rms_norm_eps),
+            use_clipped_linears=bool(vision.get("use_clipped_linears", d.use_clipped_linears)),
+            standardize=bool(vision.get("standardize", d.standardize)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "model_type": "gemma4_vision",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "patch_size": self.patch_size,
+            "pooling_kernel_size": self.pooling_kernel_size,
+            "position_embedding_size": self.position_embedding_size,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "use_clipped_linears": self.use_clipped_linears,
+            "standardize": self.standardize,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+
+    def param_count(self, text_hidden_size: int) -> int:
+        """Parameters of the tower and of the projection into the text model (buffers not counted)."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * hd  # q, k, v, o + q_norm, k_norm
+        block = attn + 3 * d * self.intermediate_size + 4 * d  # + gated MLP + four norms
+        patches = 3 * self.patch_size**2 * d + 2 * self.position_embedding_size * d
+        return patches + self.num_layers * block + d * text_hidden_size
+
+
 def _softcap(value) -> float:
     # transformers fixes DiffusionGemma's final soft-cap at 30; a config without it means that value
     if value is None:
@@ -385,4 +470,4 @@ def get_preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
 
 
-__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]
+__all__ = ["ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]
