@@ -52,9 +52,19 @@ class ModelConfig:
     eos_token_id: int = 1
     bos_token_id: int = 2
     initializer_range: float = 0.02
+    # images: the vision tower (None: a text-only model) and the prompt tokens that frame an image's soft tokens
+    vision: VisionConfig | None = None
+    image_token_id: int = 258_880
+    boi_token_id: int = 255_999
+    eoi_token_id: int = 258_882
+    # "vision": in the encoder, the soft tokens of one image attend to each other both ways (text stays causal)
+    use_bidirectional_attention: str | None = None
 
     def __post_init__(self):
         self.layer_types = tuple(self.layer_types)
+        if self.use_bidirectional_attention not in (None, "vision"):
+            raise ConfigError(f"use_bidirectional_attention={self.use_bidirectional_attention!r} is not supported "
+                              "(None or 'vision'; a fully bidirectional encoder, 'all', is not)")
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         bad = set(self.layer_types) - {SLIDING, FULL}
@@ -78,7 +88,8 @@ class ModelConfig:
 
     # -- parameter arithmetic -----------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:
-        """Exact parameter counts by group, as stored in the checkpoint (tied embedding once)."""
+        """Exact parameter counts by group, as stored in the checkpoint (tied embedding once). "total" and
+        "active" are the text model's; a model with a vision tower also has "vision", counted apart."""
         h, v = self.hidden_size, self.vocab_size
         attn = 0
         for i in range(self.num_layers):
@@ -110,6 +121,8 @@ class ModelConfig:
             "self_conditioning": self_cond,
             "total": total,
             "active": active,
+            # the vision tower and its projection, outside total and active: it runs once per image
+            **({"vision": self.vision.param_count(h)} if self.vision is not None else {}),
         }
 
     def kv_values_per_token(self, k_eq_v_once: bool = True) -> int:
@@ -162,8 +175,6 @@ class ModelConfig:
                 raise ConfigError(f"unsupported rope for {name}: {r}")
         if rs.get("rope_type", "default") != "default" or rs.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"unsupported rope for sliding layers: {rs}")
-        if text.get("use_bidirectional_attention") == "all":
-            raise ConfigError("use_bidirectional_attention='all' (bidirectional encoder) is not supported")
         if text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ConfigError(f"unsupported activation {text.get('hidden_activation')}")
         if text.get("attention_bias"):
@@ -197,13 +208,18 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             bos_token_id=text.get("bos_token_id", 2) if text.get("bos_token_id") is not None else 2,
             initializer_range=text.get("initializer_range", 0.02),
+            vision=VisionConfig.from_hf_dict(cfg["vision_config"]) if cfg.get("vision_config") else None,
+            image_token_id=_id_or(cfg.get("image_token_id"), 258_880),
+            boi_token_id=_id_or(cfg.get("boi_token_id"), 255_999),
+            eoi_token_id=_id_or(cfg.get("eoi_token_id"), 258_882),
+            use_bidirectional_attention=text.get("use_bidirectional_attention"),
         )
 
     def to_hf_dict(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """A `config.json` that transformers' `DiffusionGemmaForBlockDiffusion` loads.
 
-        `base` is the config the model was loaded from; its other keys (vision config, token ids of
-        image markers, ...) are kept as they were.
+        `base` is the config the model was loaded from; its other keys are kept as they were (also its
+        vision_config when this model runs without the tower, as transformers always builds one).
         """
         out = copy.deepcopy(base) if base else _default_top_level()
         text = out.setdefault("text_config", {}) or {}
@@ -241,8 +257,12 @@ class ModelConfig:
                 "bos_token_id": self.bos_token_id,
                 "tie_word_embeddings": True,
                 "initializer_range": self.initializer_range,
+                "use_bidirectional_attention": self.use_bidirectional_attention,
             }
         )
+        if self.vision is not None:
+            out["vision_config"] = {**(out.get("vision_config") or {}), **self.vision.to_hf_dict()}
+        out.update(image_token_id=self.image_token_id, boi_token_id=self.boi_token_id, eoi_token_id=self.eoi_token_id)
         text.setdefault("eos_token_id", self.eos_token_id)
         text.pop("global_head_dim", None)
         text.pop("num_global_key_value_heads", None)
@@ -341,6 +361,10 @@ class VisionConfig:
         return patches + self.num_layers * block + d * text_hidden_size
 
 
+def _id_or(value, default: int) -> int:
+    return default if value is None else int(value)
+
+
 def _softcap(value) -> float:
     # transformers fixes DiffusionGemma's final soft-cap at 30; a config without it means that value
     if value is None:
@@ -351,7 +375,8 @@ def _softcap(value) -> float:
 
 
 def _default_top_level() -> dict[str, Any]:
-    # A minimal vision tower description: transformers builds one from it; we never run it.
+    # A minimal vision tower description for a text-only model: transformers builds one from it (and no
+    # weights for it are stored); dgemma builds none.
     return {
         "model_type": "diffusion_gemma",
         "architectures": ["DiffusionGemmaForBlockDiffusion"],

@@ -40,6 +40,31 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
+def perturb_every_tensor(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Move every parameter and persistent buffer of `model` away from its initial value.
+
+    A norm weight of 1, a scale of 1 or a layer scalar equal in both stacks look right whichever copy a
+    loader reads; after this, a tensor read from the wrong key or ignored changes the logits. Clipping
+    bounds of +-inf become finite. Non-persistent buffers (RoPE frequencies, the embedding scale) are
+    functions of the config, not contents of a checkpoint, and stay as they are.
+    """
+    g = torch.Generator().manual_seed(1000 + seed)
+    persistent = set(model.state_dict())
+    tensors = [(n, t) for n, t in model.named_parameters()] + [(n, t) for n, t in model.named_buffers()]
+    with torch.no_grad():
+        for name, t in tensors:
+            if name not in persistent or not t.is_floating_point():
+                continue
+            noise, shift = torch.randn(t.shape, generator=g), torch.randn(t.shape, generator=g)
+            bound = torch.sign(t) * (0.5 + torch.rand(t.shape, generator=g))
+            if t.dim() >= 2:
+                moved = t * (1 + 0.1 * noise) + 0.01 * shift  # already random: keep the scale
+            else:
+                moved = t * (1 + 0.2 * noise) + 0.1 * shift
+            t.copy_(torch.where(torch.isinf(t), bound, moved))
+    return model
+
+
 def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0):
     """A transformers DiffusionGemmaForBlockDiffusion with random weights, norms and scales perturbed so
     that every parameter matters (ones would hide a missing scale)."""

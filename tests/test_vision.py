@@ -16,7 +16,7 @@ from dgemma.model.vision import VisionEmbedder, VisionTower
 TOL = 1e-4
 # GQA, two layers, 4-pixel patches pooled 2 x 2, clipped linears and standardisation on
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=40, use_clipped_linears=True,
+              head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=160, use_clipped_linears=True,
               standardize=True)
 PROCESSOR = ImageProcessor(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
 

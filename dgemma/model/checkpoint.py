@@ -2,7 +2,8 @@
 
 Layout, as transformers writes `DiffusionGemmaForBlockDiffusion`: the shared backbone is stored once,
 under the decoder's names (`model.decoder.<our parameter name>`); the LM head is tied to the embedding
-and not stored; `layer_scalar` is stored for the encoder too; vision-tower weights sit beside it.
+and not stored; `layer_scalar` is stored for the encoder too; the vision tower and its projection are
+stored under `model.encoder.<our parameter name>` (`vision_tower.*`, `embed_vision.*`).
 Loading builds the model on the meta device and fills it tensor by tensor from memory-mapped files,
 so a checkpoint never needs two copies in RAM.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,9 +24,14 @@ from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 
 PREFIX = "model.decoder."
 ENCODER_PREFIX = "model.encoder.language_model."
-SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+def stored_name(name: str) -> str:
+    """Our parameter or buffer name -> its name in the checkpoint."""
+    return "model.encoder." + name if name.startswith(("vision_tower.", "embed_vision.")) else PREFIX + name
 
 
 class CheckpointError(Exception):
@@ -98,6 +103,17 @@ def _weight_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from None
 
 
+def without_missing_vision(config: ModelConfig, path: Path) -> ModelConfig:
+    """transformers' config.json always describes a vision tower; a checkpoint that stores none is text-only."""
+    try:
+        names = _weight_files(path)
+    except CheckpointError:  # no weights to look at (`dgemma info` on a bare config): as the config says
+        return config
+    if config.vision is not None and not any(name.startswith(VISION_PREFIXES) for name in names):
+        return config.replace(vision=None)
+    return config
+
+
 def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
     """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`."""
     from dgemma.model.network import DiffusionGemma
@@ -115,14 +131,12 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         {"eos_token_id": eos, "pad_token_id": config.pad_token_id, **gen}
     )
 
+    config = without_missing_vision(config, path)
     files = _weight_files(path)
     with torch.device("meta"):
         model = DiffusionGemma(config, sampling)
     model.hf_config, model.hf_generation_config = cfg, gen
     model.source_dir = path
-
-    if any(name.startswith(SKIPPED_PREFIXES[:2]) for name in files):
-        print("note: vision-tower weights in the checkpoint are skipped (dgemma runs the text path)", file=sys.stderr)
 
     expected = dict(model.state_dict())  # meta tensors: names and shapes
     takers = {}
@@ -134,7 +148,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     loaded: dict[str, torch.Tensor] = {}
     try:
         for name, meta in expected.items():
-            stored = PREFIX + name
+            stored = stored_name(name)
             if stored not in files and ENCODER_PREFIX + name in files:
                 stored = ENCODER_PREFIX + name  # checkpoints that kept only the encoder copy
             if stored not in files:
@@ -174,7 +188,7 @@ def _state_for_saving(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in model.state_dict().items():
         t = tensor.detach().contiguous().cpu()
-        out[PREFIX + name] = t
+        out[stored_name(name)] = t
         if name.endswith("layer_scalar"):  # transformers stores this buffer for the encoder too
             out[ENCODER_PREFIX + name] = t.clone()
     return out
