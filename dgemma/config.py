@@ -229,12 +229,7 @@ class ModelConfig:
             {
                 "model_type": "diffusion_gemma_text",
                 "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
+                **_shape_keys(self),
                 "sliding_window": self.sliding_window,
                 "layer_types": list(self.layer_types),
                 "per_layer_config": {str(i): dict(full_over) for i, t in enumerate(self.layer_types) if t == FULL},
@@ -336,12 +331,7 @@ class VisionConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         return {
             "model_type": "gemma4_vision",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **_shape_keys(self),
             "patch_size": self.patch_size,
             "pooling_kernel_size": self.pooling_kernel_size,
             "position_embedding_size": self.position_embedding_size,
@@ -359,6 +349,12 @@ class VisionConfig:
         block = attn + 3 * d * self.intermediate_size + 4 * d  # + gated MLP + four norms
         patches = 3 * self.patch_size**2 * d + 2 * self.position_embedding_size * d
         return patches + self.num_layers * block + d * text_hidden_size
+
+
+def _shape_keys(c: ModelConfig | VisionConfig) -> dict[str, int]:
+    """The config.json keys a text and a vision config share, from our field names."""
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
 def _id_or(value, default: int) -> int:

@@ -150,6 +150,22 @@ def test_vision_mask_lets_an_image_see_itself_both_ways(tmp_path):
     assert (a[:, first_image] - b[:, first_image]).abs().max() > 1e-2
 
 
+@torch.no_grad()
+def test_quantisation_leaves_the_vision_tower_alone(pair):
+    import copy
+
+    from dgemma.model.quant import quantize_model
+
+    hf, model = pair
+    batch = PROCESSOR(pictures((37, 53)))
+    quantised = quantize_model(copy.deepcopy(model), "int8")
+    assert type(quantised.vision_tower.encoder.layers[0].mlp.up_proj.linear) is torch.nn.Linear
+    assert type(quantised.embed_vision.embedding_projection) is torch.nn.Linear
+    assert type(quantised.layers[0].mlp.up_proj) is not torch.nn.Linear  # the text model is quantised
+    expected = model.embed_images(batch.pixel_values, batch.image_position_ids)
+    assert torch.equal(quantised.embed_images(batch.pixel_values, batch.image_position_ids), expected)
+
+
 def test_image_input_errors():
     text_only = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     patches = torch.zeros(1, 8, 3 * 16 * 16)
