@@ -114,3 +114,10 @@ def test_vision_config_round_trip_and_refusals():
         VisionConfig(head_dim=6)
     with pytest.raises(ConfigError, match="unsupported vision tower"):
         VisionConfig.from_hf_dict({"model_type": "siglip_vision_model"})
+
+
+def test_an_image_wider_than_the_position_table_is_refused():
+    config = VisionConfig.from_hf_dict({**VISION, "position_embedding_size": 8})
+    batch = images((37, 53))  # resized to 20 x 12 patches
+    with pytest.raises(ValueError, match="side of 20 patches exceeds the tower's 8 positions"):
+        VisionTower(config)(batch.pixel_values, batch.image_position_ids)

@@ -157,6 +157,9 @@ class VisionTower(nn.Module):
         k = self.config.pooling_kernel_size
         if P % (k * k):
             raise ValueError(f"{P} patch slots per image do not pool into {k}x{k} squares")
+        if int(positions.max()) >= self.config.position_embedding_size:
+            raise ValueError(f"an image side of {int(positions.max()) + 1} patches exceeds the tower's "
+                             f"{self.config.position_embedding_size} positions")
         padding = (positions == -1).all(dim=-1)  # (N, P)
         x = self.patch_embedder(pixel_values, positions, padding)
         rope = self.rope(positions, x.dtype)
