@@ -74,8 +74,10 @@ def _resolve_model_names(args):
     from dgemma.model.hub import resolve_model
 
     for attr in ("model", "src"):
-        if getattr(args, attr, None):
-            setattr(args, attr, str(resolve_model(getattr(args, attr), getattr(args, "revision", None))))
+        name = getattr(args, attr, None)
+        if name:
+            setattr(args, attr, str(resolve_model(name, getattr(args, "revision", None))))
+            setattr(args, f"{attr}_name", name)  # what the user typed: the id names a served model
 
 
 def main(argv: list[str] | None = None) -> int:

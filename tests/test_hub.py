@@ -76,3 +76,23 @@ def test_missing_ids_are_one_line_and_exit_2(hf_home, args, message):
 def test_revision_with_a_local_folder_is_refused(hf_home, tiny_model_dir):
     proc = dgemma(hf_home, "info", "--model", str(tiny_model_dir), "--revision", "main")
     assert proc.returncode == 2 and "--revision applies to Hugging Face ids" in proc.stderr
+
+
+def test_serve_names_the_model_by_its_id(hf_home):
+    """A server started from an id answers /v1/models with that id, not the snapshot folder's hash."""
+    import httpx
+
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--model", REPO, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = ""
+        while "http://" not in line:
+            line = proc.stdout.readline()
+            assert line, "server exited"
+        url = line[line.index("http://"):].split()[0].rstrip("/")
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == [REPO]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
