@@ -65,24 +65,29 @@ def perturb_every_tensor(model: torch.nn.Module, seed: int = 0) -> torch.nn.Modu
     return model
 
 
-def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0):
-    """A transformers DiffusionGemmaForBlockDiffusion with random weights, norms and scales perturbed so
-    that every parameter matters (ones would hide a missing scale)."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+def unperturbed_tensors(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
+    """Names of state-dict tensors of `model` equal to those of `fresh` (the same class, default init)."""
+    ours = model.state_dict()
+    return [n for n, t in fresh.state_dict().items() if t.is_floating_point() and torch.equal(ours[n], t)]
+
+
+def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None,
+              text: dict | None = None, **top):
+    """`text` overrides text_config fields, `top` the top-level ones (image token ids, ...)."""
+    from transformers import DiffusionGemmaConfig
+
+    return DiffusionGemmaConfig(text_config={**TINY_TEXT_CONFIGS[name], **(text or {})},
+                                vision_config=dict(vision or TINY_VISION), canvas_length=canvas_length, **top)
+
+
+def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0, **config):
+    """A transformers DiffusionGemmaForBlockDiffusion with random weights and every parameter and buffer
+    perturbed (`perturb_every_tensor`): each stack's layer scalars differ, norms and scales are not 1."""
+    from transformers import DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    cfg = DiffusionGemmaConfig(text_config=dict(TINY_TEXT_CONFIGS[name]), vision_config=dict(TINY_VISION),
-                               canvas_length=canvas_length)
-    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-        scalars = torch.rand(len(model.model.decoder.layers)) * 0.5 + 0.75
-        for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
-            for layer, value in zip(layers, scalars):
-                layer.layer_scalar.fill_(float(value))
-    return model
+    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length, **config)).eval()
+    return perturb_every_tensor(model, seed)
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +144,6 @@ def tiny_model_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(eos_token_ids=(1,), max_denoising_steps=8)
-    model.save_pretrained(folder)
+    dgemma.save_pretrained(model, folder)
     assert write_tiny_tokenizer(folder) <= config.vocab_size
     return folder

@@ -12,7 +12,7 @@ from PIL import Image
 
 import dgemma
 from dgemma.images import ImageProcessor, expand_image_tokens
-from tests.conftest import TINY_TEXT_CONFIGS, perturb_every_tensor
+from tests.conftest import make_hf_model, unperturbed_tensors
 
 TOL = 1e-4
 IMAGE, BOI, EOI = 5, 6, 7  # token ids inside the tiny vocabulary
@@ -27,18 +27,11 @@ def softcap(x, cap=30.0):
     return torch.tanh(x.float() / cap) * cap
 
 
-def make_pair(bidirectional, tmp_path, name="alternating"):
-    """A perturbed transformers model with a vision tower, and ours loaded from its save."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
-    torch.manual_seed(0)
-    text = dict(TINY_TEXT_CONFIGS[name], use_bidirectional_attention=bidirectional)
-    config = DiffusionGemmaConfig(text_config=text, vision_config=dict(VISION), canvas_length=16,
-                                  image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)
-    hf = perturb_every_tensor(DiffusionGemmaForBlockDiffusion(config).eval(), seed=3)
-    with torch.no_grad():  # TEMP until main's separate encoder layer scalars are merged
-        for a, b in zip(hf.model.decoder.layers, hf.model.encoder.language_model.layers):
-            b.layer_scalar.copy_(a.layer_scalar)
+def make_pair(bidirectional, tmp_path):
+    """A transformers model with a vision tower and every parameter and buffer perturbed, and ours loaded
+    from its save."""
+    hf = make_hf_model(seed=3, vision=VISION, text=dict(use_bidirectional_attention=bidirectional),
+                       image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)
     folder = tmp_path / f"hf-{bidirectional}"
     hf.save_pretrained(folder)
     return hf, dgemma.load_model(folder)
@@ -120,6 +113,7 @@ def compare(hf, model, rows, images):
 def test_one_image(pair):
     hf, model = pair
     assert model.vision_tower is not None
+    assert not unperturbed_tensors(hf, type(hf)(hf.config))  # clipping bounds, std_bias/std_scale, ... too
     compare(hf, model, [[2, 10, 11, IMAGE, 12, 13]], pictures((37, 53)))
 
 

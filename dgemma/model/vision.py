@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dgemma.config import VisionConfig
 from dgemma.model.attention import apply_rope, rope_inv_freq, rope_tables
-from dgemma.model.network import RMSNorm, gelu
+from dgemma.model.layers import RMSNorm, gelu
 
 
 class ClippedLinear(nn.Module):
