@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from dgemma.allocator import keep_freed_memory
+from dgemma.commands._common import UsageError
 
 COMMANDS = {
     "generate": "generate text with the block-diffusion sampler (or --ar for left-to-right)",
@@ -22,10 +23,6 @@ COMMANDS = {
     "sudoku": "solve and evaluate sudoku puzzles with the shipped model",
     "convert": "convert a Gemma 4 checkpoint into a DiffusionGemma checkpoint",
 }
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
 
 
 def _available() -> dict[str, object]:

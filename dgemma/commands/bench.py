@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
+from dgemma.commands._common import UsageError
+
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group()
@@ -39,8 +41,6 @@ def add_arguments(p):
 def _resolve(args):
     import torch
 
-    from dgemma.cli import UsageError
-
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA device")
@@ -57,7 +57,6 @@ def run(args):
 
     import dgemma
     from dgemma import bench
-    from dgemma.cli import UsageError
     from dgemma.engine import positions_needed
 
     try:

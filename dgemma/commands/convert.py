@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from dgemma.commands._common import UsageError
+
 DTYPE_CHOICES = ("keep", "bfloat16", "float16", "float32")
 
 
@@ -31,7 +33,6 @@ def add_arguments(p):
 
 
 def run(args):
-    from dgemma.cli import UsageError
     from dgemma.convert import (
         OUT_DTYPES, check_output, convert_gemma4, describe, parse_drop, parse_size, plan_conversion,
     )

@@ -7,6 +7,7 @@ import sys
 import time
 
 from dgemma.commands._common import (
+    UsageError,
     add_model_arguments,
     add_sampling_arguments,
     load_from_args,
@@ -76,7 +77,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args):
-    from dgemma.cli import UsageError
     from dgemma.engine import Engine, Request, positions_needed
     from dgemma.tokenizer import Tokenizer
 

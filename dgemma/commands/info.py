@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from dgemma.commands._common import UsageError
 from dgemma.config import ModelConfig, get_preset
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -84,7 +85,6 @@ def _gb(n: float) -> str:
 
 
 def run(args):
-    from dgemma.cli import UsageError
 
     if args.batch < 1 or args.context < 1:
         raise UsageError("--batch and --context must be >= 1")

@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import add_model_arguments, positive_int
+from dgemma.commands._common import UsageError, add_model_arguments, load_from_args, positive_int
 
 
 def add_arguments(p):
@@ -32,8 +32,6 @@ def add_arguments(p):
 def run(args):
     import uvicorn
 
-    from dgemma.cli import UsageError
-    from dgemma.commands._common import load_from_args
     from dgemma.serving.app import ServerState, create_app
     from dgemma.serving.codec import make_codec, read_task
     from dgemma.serving.worker import EngineWorker

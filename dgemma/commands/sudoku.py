@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import add_denoising_arguments, denoising_overrides
+from dgemma.commands._common import UsageError, add_denoising_arguments, denoising_overrides
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
@@ -59,7 +59,6 @@ def run(args):
 
 # -- prepare ---------------------------------------------------------------------------------------
 def _prepare(args):
-    from dgemma.cli import UsageError
     from dgemma.tasks import sudoku as S
     from dgemma.tasks.sudoku_grid import random_transform
 
@@ -93,7 +92,6 @@ def _prepare(args):
 def _load(args):
     import torch
 
-    from dgemma.cli import UsageError
     from dgemma.model import load_model
 
     folder = Path(args.model) if args.model else SHIPPED
@@ -167,7 +165,6 @@ def _solve(args):
     from rich.live import Live
     from rich.text import Text
 
-    from dgemma.cli import UsageError
     from dgemma.engine import Engine, Request
     from dgemma.tasks import sudoku as S
 
@@ -231,7 +228,6 @@ def _grid_text(puzzle, grid, accepted):
 def _eval(args):
     import time
 
-    from dgemma.cli import UsageError
     from dgemma.engine import Engine, Request
     from dgemma.tasks import sudoku as S
 
