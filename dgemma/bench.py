@@ -190,7 +190,7 @@ class ARTimed(Timed):
     system = "ar"
 
     def __init__(self, model, prompts, new_tokens: int, eos):
-        from dgemma.ar import generate_ar
+        from dgemma.generation import generate_ar
 
         super().__init__(len(prompts), model.device)
         self.model, self.prompts, self.new_tokens, self.eos = model, prompts, new_tokens, eos

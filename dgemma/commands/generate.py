@@ -138,7 +138,7 @@ def run(args):
 
 
 def _run_ar(args, model, tokenizer, prompt, sampling):
-    from dgemma.ar import generate_ar
+    from dgemma.generation import generate_ar
 
     start = time.perf_counter()
     tokens = generate_ar(model, [prompt], sampling.max_new_tokens, eos_token_ids=sampling.eos_token_ids,

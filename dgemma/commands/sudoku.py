@@ -249,7 +249,7 @@ def _eval(args):
     steps = forwards_tokens = corrections = accepted_total = 0
     settle, blank_count = [0.0] * 81, [0] * 81  # summed over the puzzles where the cell is blank
     if args.ar:
-        from dgemma.ar import generate_ar
+        from dgemma.generation import generate_ar
 
         canvases = []
         for i in range(0, len(puzzles), args.batch):
