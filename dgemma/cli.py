@@ -10,7 +10,6 @@ import argparse
 import importlib
 import sys
 
-from dgemma.allocator import keep_freed_memory
 from dgemma.commands._common import UsageError
 
 COMMANDS = {
@@ -64,6 +63,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 # Commands that generate: they free and reallocate (B, L, V)-sized buffers at every denoising step.
 GENERATING = {"generate", "chat", "serve", "bench", "sudoku"}
+
+
+def keep_freed_memory() -> bool:
+    """glibc keeps freed memory for reuse (see dgemma.engine.allocator); imported only when a generating
+    command runs, so that `dgemma --help` and the other commands start without loading torch."""
+    from dgemma.engine import allocator
+
+    return allocator.keep_freed_memory()
 
 
 def main(argv: list[str] | None = None) -> int:
