@@ -33,8 +33,10 @@ def run(args):
     import uvicorn
 
     from dgemma.serving.app import ServerState, create_app
-    from dgemma.serving.codec import make_codec, read_task
+    from dgemma.serving.codec import TextCodec
     from dgemma.serving.worker import EngineWorker
+    from dgemma.tasks import read_task, task_codec
+    from dgemma.tokenizer import Tokenizer
 
     folder = Path(args.model)
     if not folder.is_dir():
@@ -46,7 +48,8 @@ def run(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
     model = load_from_args(args)
-    codec = make_codec(folder, task, model.config.vocab_size)
+    vocab_size = model.config.vocab_size
+    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     context = model.config.max_position_embeddings
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
