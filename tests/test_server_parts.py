@@ -29,7 +29,7 @@ def ids(text):
 
 
 def test_text_arrives_whole_and_stops_at_stop_strings():
-    a = TextAssembler(CharCodec(), stop=["STOP"])
+    a = TextAssembler(CharCodec().decode, stop=["STOP"])
     assert a.add(ids("hello ST")) == "hello "  # "ST" may begin "STOP": held back
     assert a.add(ids("ART ")) == "START "  # it did not
     assert a.add(ids("caf") + [0]) == "caf"  # half a character waits for its other half
@@ -37,10 +37,10 @@ def test_text_arrives_whole_and_stops_at_stop_strings():
     assert a.add(ids("P and more")) == ""  # the stop string completed across canvases
     assert a.stopped and a.flush() == ""
 
-    b = TextAssembler(CharCodec(), stop=["xy", "zzz"])
+    b = TextAssembler(CharCodec().decode, stop=["xy", "zzz"])
     assert b.add(ids("abz")) == "ab"
     assert b.flush() == "z"  # the request ended: nothing can complete the stop string any more
-    c = TextAssembler(CharCodec(), stop=[])
+    c = TextAssembler(CharCodec().decode, stop=[])
     assert c.add(ids("no stops")) == "no stops" and c.flush() == ""
 
 

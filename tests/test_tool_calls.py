@@ -14,7 +14,7 @@ import pytest
 
 from dgemma.serving.chat_output import ChatOutput
 from dgemma.serving.tool_calls import SyntaxProblem, format_value, parse_call, parse_value
-from dgemma.serving.tool_schema import STRING_BODY, SchemaError, arguments_regex, calls_regex
+from dgemma.serving.tool_schema import CallGrammar, SchemaError, text_without
 
 Q = '<|"|>'
 
@@ -62,12 +62,17 @@ def test_format_matches_gemma_templates():
 
 # -- the constraint's regular expression --------------------------------------------------------------
 
-def test_string_body_excludes_only_the_closing_mark():
-    body = re.compile(STRING_BODY)
-    for n in range(8):
-        for chars in itertools.product('<|">a', repeat=n):
+@pytest.mark.parametrize("mark,alphabet,longest", [(Q, '<|">a', 8), ("<channel|>", "<chanel|>x", 6)])
+def test_text_without_a_mark_excludes_only_the_mark(mark, alphabet, longest):
+    body = re.compile(text_without(mark))
+    for n in range(longest):
+        for chars in itertools.product(alphabet, repeat=n):
             text = "".join(chars)
-            assert bool(body.fullmatch(text)) == (Q not in text), text
+            assert bool(body.fullmatch(text)) == (mark not in text), text
+    for text in ["<channel" * 3 + "|", mark[:-1] + "x" + mark[:-1]]:
+        assert bool(body.fullmatch(text)) == (mark not in text), text
+    excluding = re.compile(text_without(mark, exclude="\U000F0000-\U000F00FF"))
+    assert excluding.fullmatch("ab<") and not excluding.fullmatch("a\U000F0001b")
 
 
 WEATHER = {"type": "object", "properties": {
@@ -115,7 +120,7 @@ def _random_instance(schema, rng: random.Random, depth=0):
 
 
 def test_every_valid_call_matches_and_invalid_ones_do_not():
-    regex = re.compile(calls_regex([("get_weather", WEATHER), ("ping", None)]))
+    regex = re.compile(CallGrammar().calls([("get_weather", WEATHER), ("ping", None)]))
     rng = random.Random(0)
     for _ in range(300):
         arguments = _random_instance(WEATHER, rng)
@@ -141,7 +146,7 @@ def test_every_match_parses_and_validates():
                                                "b": {"type": ["boolean", "null"]}}, "required": ["n"]}
     chars = sorted(set('<|"tool_cal>:{}[],-0123456789.eEntrufsN' + "ab"))
     vocabulary = Vocabulary(len(chars), {c: [i] for i, c in enumerate(chars)})
-    index = Index(calls_regex([("f", schema)], several=False), vocabulary)
+    index = Index(CallGrammar().calls([("f", schema)], several=False), vocabulary)
     rng = random.Random(1)
     for _ in range(200):  # random walks through the automaton to accepting states
         state, text = index.get_initial_state(), ""
@@ -167,19 +172,29 @@ def test_every_match_parses_and_validates():
     ({"type": "object", "properties": {"a": {"type": "int"}}}, "parameters.properties.a.type"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not among the properties"),
     ({"type": "object", "properties": {"a b": {}}}, "cannot be a bare key"),
-    ({"type": "object", "additionalProperties": {"type": "string"}}, "only true or false"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b"}}}, "#/$defs/b is not defined"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"anyOf": [
+        {"type": "null"}, {"type": "array", "items": {"$ref": "#/$defs/a"}}]}}}, "recursive schemas"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json"}}}, "only local references"),
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "less than"),
     ({"type": "object", "properties": {"a": {"enum": []}}}, "non-empty list"),
 ])
 def test_unsupported_schemas_name_the_problem(schema, message):
     with pytest.raises(SchemaError, match=re.escape(message)):
-        arguments_regex(schema)
+        CallGrammar().arguments(schema)
 
 
-def test_no_parameters_means_no_arguments():
-    assert re.fullmatch(arguments_regex(None), "{}") and re.fullmatch(arguments_regex({}), "{}")
-    free = re.compile(arguments_regex({"type": "object"}))
+def test_no_parameters_means_no_arguments_and_other_object_forms():
+    grammar = CallGrammar()
+    assert re.fullmatch(grammar.arguments(None), "{}") and re.fullmatch(grammar.arguments({}), "{}")
+    free = re.compile(grammar.arguments({"type": "object"}))
     assert free.fullmatch("{}") and free.fullmatch(f"{{a:1,b:[{Q}x{Q}],c:{{d:null}}}}")
+    counts = re.compile(grammar.arguments({"type": "object", "additionalProperties": {"type": "integer"}}))
+    assert counts.fullmatch("{a:1,b:-2}") and not counts.fullmatch(f"{{a:{Q}x{Q}}}")
+    point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    refs = re.compile(grammar.arguments({"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}},
+                                         "required": ["p"], "$defs": {"point": point}}))
+    assert refs.fullmatch("{p:{x:1.5}}") and not refs.fullmatch("{p:{}}")
 
 
 # -- splitting an answer --------------------------------------------------------------------------------
@@ -230,6 +245,14 @@ def test_only_calls_means_no_content():
     message = out.message()
     assert message["content"] is None and len(message["tool_calls"]) == 2
     assert "reasoning_content" not in message
+
+
+def test_a_string_may_hold_the_end_mark():
+    call = f"<|tool_call>call:say{{text:{Q}write <tool_call|> to end a call{Q}}}<tool_call|>"
+    out, parts = _split(call + "after", [30, 60])
+    assert json.loads(out.message()["tool_calls"][0]["function"]["arguments"]) == {
+        "text": "write <tool_call|> to end a call"}
+    assert out.message()["content"] == "after"
 
 
 @pytest.mark.parametrize("bad", [

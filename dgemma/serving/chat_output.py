@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dgemma.serving.tool_calls import CALL_END, CALL_START, SyntaxProblem, new_call_id, openai_tool_call, parse_call
+from dgemma.serving.tool_calls import (
+    CALL_END,
+    CALL_START,
+    QUOTE,
+    RESPONSE_START,
+    SyntaxProblem,
+    new_call_id,
+    openai_tool_call,
+    parse_call,
+)
 
 THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"
 THOUGHT_LABEL = "thought\n"  # the channel's name line, not part of the thought
+MARKS = (THOUGHT_START, THOUGHT_END, CALL_START, CALL_END, QUOTE)  # special tokens the parser must see
+ANSWER_ENDS = (RESPONSE_START, "<turn|>")  # after its calls the model waits for results; the turn's end
 
 
 def _partial_mark(text: str, marks: list[str]) -> int:
@@ -24,6 +35,19 @@ def _partial_mark(text: str, marks: list[str]) -> int:
         if any(m.startswith(text[-n:]) for m in marks):
             return n
     return 0
+
+
+def _call_end(text: str) -> int:
+    """Where the call's end mark is, outside its strings (a string may hold any text); -1: not yet."""
+    at = 0
+    while True:
+        end, quote = text.find(CALL_END, at), text.find(QUOTE, at)
+        if quote < 0 or 0 <= end < quote:
+            return end
+        close = text.find(QUOTE, quote + len(QUOTE))
+        if close < 0:
+            return -1
+        at = close + len(QUOTE)
 
 
 @dataclass
@@ -85,7 +109,7 @@ class ChatOutput:
             self.mode = "reasoning"
             return True
         end = THOUGHT_END if self.mode == "reasoning" else CALL_END
-        at = buf.find(end)
+        at = buf.find(end) if self.mode == "reasoning" else _call_end(buf)
         if at < 0:
             if self.mode == "reasoning":
                 keep = _partial_mark(buf, [end])

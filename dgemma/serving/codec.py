@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Callable
 
+from dgemma.serving import chat_output
 from dgemma.tasks import sudoku
 
 TASK_FILE = "dgemma_task.json"
@@ -43,6 +45,7 @@ def read_task(folder: str | Path) -> str:
 class Codec:
     task: str
     fixed_max_tokens: int | None = None  # None: any length the context allows
+    answer_ends: frozenset[int] = frozenset()  # tokens that end an answer besides the model's EOS
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size  # the model's: token-id prompts must index its embedding table
@@ -53,6 +56,10 @@ class Codec:
             raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         return ids
 
+    def decode_chat(self, tokens: list[int]) -> str:
+        """A chat answer's text, with the marks its parser reads (chat_output.py)."""
+        return self.decode(tokens)
+
 
 class TextCodec(Codec):
     task = "text"
@@ -60,8 +67,14 @@ class TextCodec(Codec):
     def __init__(self, tokenizer, vocab_size: int):
         super().__init__(vocab_size)
         self.tokenizer = tokenizer
+        self.markup = self._known(chat_output.MARKS)
+        self.answer_ends = self._known(chat_output.ANSWER_ENDS)
         # one decode per distinct id, not per draft position per step; bounded like the vocabulary
         self.piece = functools.lru_cache(maxsize=1 << 16)(self._piece)
+
+    def _known(self, tokens) -> frozenset[int]:
+        """The ids of those of `tokens` the vocabulary has as single tokens."""
+        return frozenset(i for i in map(self.tokenizer.token_to_id, tokens) if i is not None)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -76,6 +89,9 @@ class TextCodec(Codec):
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
+
+    def decode_chat(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, keep=self.markup)
 
     def _piece(self, token: int) -> str:
         # special tokens are shown too: a draft is a picture of the canvas, not the final text
@@ -138,8 +154,8 @@ class TextAssembler:
     character split across canvases) and a tail that could be the start of a stop string.
     """
 
-    def __init__(self, codec, stop: list[str]):
-        self.codec = codec
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode = decode
         self.stop = stop
         self.tokens: list[int] = []
         self.sent = 0  # characters of the decoded text already sent
@@ -147,7 +163,7 @@ class TextAssembler:
 
     def add(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self.codec.decode(self.tokens)
+        text = self.decode(self.tokens)
         # Nothing sent ever ends with the start of a stop string, so a stop cannot begin before `sent`.
         hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
         if hits:
@@ -162,7 +178,7 @@ class TextAssembler:
         """The request ended: what was held back goes out (a stop string can no longer complete)."""
         if self.stopped:
             return ""
-        return self._advance(self.codec.decode(self.tokens))
+        return self._advance(self.decode(self.tokens))
 
     def _advance(self, text: str) -> str:
         # Decoding is prefix-stable for the tokenizers we load; were it not, sent text is never retracted.

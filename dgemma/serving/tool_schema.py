@@ -6,103 +6,202 @@ with valid arguments, whatever the weights. Gemma's notation is not JSON (see to
 schema libraries' own expressions do not apply; this module writes the one for Gemma's syntax.
 
 Supported schema subset (the one `response_format` supports): `type` (a name or a list), `properties`,
-`required`, `additionalProperties` (only declared properties are written either way), `enum`, `const`,
-`items`, `minItems`, `maxItems`, `minLength`, `maxLength`, nested objects, `anyOf`, and `nullable`
-(OpenAPI's, which Google's tool declarations use). Annotations (`title`, `description`, `default`,
-`examples`, `$schema`, `$comment`) are ignored. Anything else raises `SchemaError` naming the keyword.
+`required`, `additionalProperties`, `enum`, `const`, `items`, `minItems`, `maxItems`, `minLength`,
+`maxLength`, nested objects and arrays, `anyOf`, local `$ref` into `$defs` / `definitions`.
+Annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`) are ignored.
+Anything else raises `SchemaError` naming the keyword.
 
 Choices the expression makes (all valid Gemma output):
-  * properties in sorted order, as Gemma 4's chat template writes earlier calls; no spaces;
+  * declared properties only, in sorted order, as Gemma 4's chat template writes earlier calls; no spaces;
   * a string bounded by minLength / maxLength holds no '<' (keeps the length count exact); an
     unbounded one may hold anything except the closing mark `<|"|>`;
   * a value without a type (or an object without properties, an array without items) is any value
     nested at most two levels deep, with keys of letters, digits and '_'.
+
+Gemma's marks are special tokens. `CallGrammar()` writes them as their text (to match decoded text);
+a constraint passes `special`, the regex its vocabulary gives each special token, and `exclude`, the
+characters no text inside a call may hold (those same tokens).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from dgemma.serving.tool_calls import CALL_END, CALL_START, QUOTE, format_value
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$comment"}
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment"}
 SUPPORTED = {"type", "properties", "required", "additionalProperties", "enum", "const", "items", "minItems",
-             "maxItems", "minLength", "maxLength", "anyOf", "nullable"} | ANNOTATIONS
+             "maxItems", "minLength", "maxLength", "anyOf", "$ref", "$defs", "definitions"} | ANNOTATIONS
 TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 GENERIC_DEPTH = 2
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
 class SchemaError(ValueError):
     """The schema uses something outside the supported subset, or is malformed (the message says which)."""
 
 
-Q = re.escape(QUOTE)
-# A string's body: any text without the closing mark <|"|>. No lookahead (automata libraries have none):
-# after a '<', the loop X stays inside a partial match of the mark, Y leaves it with a character that
-# breaks it; the optional tail ends inside a partial match. The mark has no border (its first
-# character differs from its last), so the first mark after the body is the closing one.
-_X = r'(?:<|\|<|\|"<|\|"\|<)'
-_Y = r'(?:[^<|]|\|[^<"]|\|"[^<|]|\|"\|[^<>])'
-STRING_BODY = rf'(?:[^<]|<{_X}*{_Y})*(?:<{_X}*(?:\||\|"|\|"\|)?)?'
-INTEGER = r"-?(?:0|[1-9][0-9]*)"
-NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-KEY = r"[A-Za-z_][A-Za-z0-9_]*"
-SCALARS = {"string": Q + STRING_BODY + Q, "integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)",
-           "null": "null"}
+def text_without(mark: str, exclude: str = "") -> str:
+    """Any text that does not contain `mark` (nor a character of the class fragment `exclude`).
+
+    No lookahead (automata libraries have none): read as the automaton of "how much of the mark was
+    just seen". From state 0 a character other than the mark's first stays at 0; after the first one,
+    X loops back to state 1 (the first character again, after a partial match) and Y returns to 0 with
+    a character that breaks the match; the optional tail ends inside a partial match. Correct when the
+    mark's first character occurs nowhere else in it (then the mark has no border either, so the first
+    mark after such a text is where the text ends).
+    """
+    head = mark[0]
+    if head in mark[1:]:
+        raise ValueError(f"{mark!r}: its first character occurs again in it")
+    e = re.escape
+    not_head = f"[^{e(head)}{exclude}]"
+    loops = [e(mark[1:j]) + e(head) for j in range(1, len(mark))]
+    leaves = [e(mark[1:j]) + f"[^{e(mark[j])}{e(head)}{exclude}]" for j in range(1, len(mark))]
+    partial = "|".join(e(mark[1:j]) for j in range(2, len(mark)))
+    x, y = f"(?:{'|'.join(loops)})", f"(?:{'|'.join(leaves)})"
+    return f"(?:{not_head}|{e(head)}{x}*{y})*(?:{e(head)}{x}*(?:{partial})?)?"
 
 
-def calls_regex(tools: list[tuple[str, dict | None]], *, several: bool = True) -> str:
-    """Calls to the given tools, (name, parameters schema or None): one call, or one or more back to back."""
-    if not tools:
-        raise SchemaError("no tools to call")
-    one = _alternatives([re.escape(f"{CALL_START}call:{name}") + arguments_regex(params) + re.escape(CALL_END)
-                         for name, params in tools])
-    return f"(?:{one})+" if several else one
+class CallGrammar:
+    def __init__(self, special: Callable[[str], str] = re.escape, exclude: str = ""):
+        self.special, self.exclude = special, exclude
+        quote = special(QUOTE)
+        self.short_string = quote + "[^<" + exclude + "]{%d,%s}" + quote  # with minLength / maxLength
+        self.scalars = {"string": quote + text_without(QUOTE, exclude) + quote, "integer": INTEGER,
+                        "number": NUMBER, "boolean": "(?:true|false)", "null": "null"}
+        self._root: dict = {}
 
+    def calls(self, tools: list[tuple[str, dict | None]], *, several: bool = True) -> str:
+        """Calls to the given tools, (name, parameters schema or None): one call, or one or more back to back."""
+        if not tools:
+            raise SchemaError("no tools to call")
+        one = _alternatives([self.special(CALL_START) + re.escape(f"call:{name}") + self.arguments(params)
+                             + self.special(CALL_END) for name, params in tools])
+        return f"(?:{one})+" if several else one
 
-def arguments_regex(schema: dict | None) -> str:
-    """The `{...}` after `call:NAME`: an object valid under `schema` (None or {} takes no arguments)."""
-    if not schema:
-        return r"\{\}"
-    if not isinstance(schema, dict):
-        raise SchemaError("parameters: expected a JSON schema object")
-    types = _types(schema, "parameters")
-    if types is not None and types != ["object"]:
-        raise SchemaError(f"parameters: a function's parameters must be an object, not {types}")
-    return _value({**schema, "type": "object"}, "parameters")
+    def arguments(self, schema: dict | None) -> str:
+        """The `{...}` after `call:NAME`: an object valid under `schema` (None or {} takes no arguments)."""
+        if not schema:
+            return r"\{\}"
+        if not isinstance(schema, dict):
+            raise SchemaError("parameters: expected a JSON schema object")
+        types = _types(schema, "parameters")
+        if types is not None and types != ["object"]:
+            raise SchemaError(f"parameters: a function's parameters must be an object, not {types}")
+        self._root = schema
+        return self._value({**schema, "type": "object"}, "parameters", ())
 
+    # -- one schema node ---------------------------------------------------------------------------
+    def _value(self, schema: Any, path: str, refs: tuple[str, ...]) -> str:
+        if schema == {}:
+            return self._generic(GENERIC_DEPTH)
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{path}: expected a schema object")
+        unknown = sorted(set(schema) - SUPPORTED)
+        if unknown:
+            raise SchemaError(f"{path}: unsupported keyword {unknown[0]!r} (supported: "
+                              f"{', '.join(sorted(SUPPORTED - ANNOTATIONS))})")
+        if "$ref" in schema:
+            target = self._resolve(schema["$ref"], path, refs)
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            return self._value({**target, **rest}, path, (*refs, schema["$ref"]))
+        if "const" in schema:
+            return re.escape(format_value(schema["const"])).replace(re.escape(QUOTE), self.special(QUOTE))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{path}.enum: expected a non-empty list")
+            return _alternatives([self._value({"const": v}, path, refs) for v in values])
+        if "anyOf" in schema:
+            options = schema["anyOf"]
+            if not isinstance(options, list) or not options:
+                raise SchemaError(f"{path}.anyOf: expected a non-empty list")
+            rest = {k: v for k, v in schema.items() if k != "anyOf"}
+            return _alternatives([self._value({**rest, **option} if isinstance(option, dict) else option,
+                                              f"{path}.anyOf[{i}]", refs) for i, option in enumerate(options)])
+        types = _types(schema, path)
+        if types is None:
+            return self._generic(GENERIC_DEPTH)
+        return _alternatives([self._typed(t, schema, path, refs) for t in types])
 
-def _value(schema: Any, path: str) -> str:
-    if schema is True or schema == {}:
-        return _generic(GENERIC_DEPTH)
-    if not isinstance(schema, dict):
-        raise SchemaError(f"{path}: expected a schema object")
-    unknown = sorted(set(schema) - SUPPORTED)
-    if unknown:
-        raise SchemaError(f"{path}: unsupported keyword {unknown[0]!r} (supported: "
-                          f"{', '.join(sorted(SUPPORTED - ANNOTATIONS))})")
-    if schema.get("nullable") is True:
-        rest = {k: v for k, v in schema.items() if k != "nullable"}
-        return _alternatives([_value(rest, path), "null"])
-    if "const" in schema:
-        return re.escape(format_value(schema["const"]))
-    if "enum" in schema:
-        values = schema["enum"]
-        if not isinstance(values, list) or not values:
-            raise SchemaError(f"{path}.enum: expected a non-empty list")
-        return _alternatives([re.escape(format_value(v)) for v in values])
-    if "anyOf" in schema:
-        options = schema["anyOf"]
-        if not isinstance(options, list) or not options:
-            raise SchemaError(f"{path}.anyOf: expected a non-empty list")
-        rest = {k: v for k, v in schema.items() if k != "anyOf"}
-        return _alternatives([_value({**rest, **option} if isinstance(option, dict) else option, f"{path}.anyOf[{i}]")
-                              for i, option in enumerate(options)])
-    types = _types(schema, path)
-    if types is None:
-        return _generic(GENERIC_DEPTH)
-    return _alternatives([_typed(t, schema, path) for t in types])
+    def _resolve(self, ref: Any, path: str, refs: tuple[str, ...]) -> dict:
+        if not isinstance(ref, str) or not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref):
+            raise SchemaError(f"{path}.$ref: only local references into $defs or definitions are supported, got {ref!r}")
+        if ref in refs:
+            raise SchemaError(f"{path}.$ref: {ref} refers to itself (recursive schemas are not supported)")
+        section, name = ref[2:].split("/", 1)
+        target = (self._root.get(section) or {}).get(name)
+        if not isinstance(target, dict):
+            raise SchemaError(f"{path}.$ref: {ref} is not defined")
+        return target
+
+    def _typed(self, kind: str, schema: dict, path: str, refs: tuple[str, ...]) -> str:
+        if kind == "string":
+            low, high = _bounds(schema, "minLength", "maxLength", path)
+            if low == 0 and high is None:
+                return self.scalars["string"]
+            return self.short_string % (low, "" if high is None else high)
+        if kind == "object":
+            return self._object(schema, path, refs)
+        if kind == "array":
+            items = schema.get("items")
+            item = self._generic(GENERIC_DEPTH - 1) if items is None else self._value(items, f"{path}.items", refs)
+            low, high = _bounds(schema, "minItems", "maxItems", path)
+            return _list(r"\[", item, r"\]", low, high)
+        return self.scalars[kind]
+
+    def _object(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties", True)
+        if properties is None or properties == {}:
+            if extra is False:
+                return r"\{\}"
+            if isinstance(extra, dict):  # any keys, each value under that schema
+                value = self._value(extra, f"{path}.additionalProperties", refs)
+                return _list(r"\{", f"{KEY}:(?:{value})", r"\}", 0, None)
+            return self._generic_object(GENERIC_DEPTH)
+        if not isinstance(properties, dict):
+            raise SchemaError(f"{path}.properties: expected an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{path}.required: expected a list of property names")
+        missing = sorted(set(required) - set(properties))
+        if missing:
+            raise SchemaError(f"{path}.required: {missing[0]!r} is not among the properties")
+        names = sorted(properties)
+        for name in names:
+            if not re.fullmatch(r"[\w\-.]+", name):
+                raise SchemaError(f"{path}.properties: {name!r} cannot be a bare key in Gemma's notation")
+        items = [(re.escape(name) + ":" + self._value(properties[name], f"{path}.properties.{name}", refs),
+                  name in required) for name in names]
+        # then[i]: the properties from i on once one was written (each present one starts with a comma);
+        # first: the same from the start, when none was written yet (no comma before the first one).
+        then = [""] * (len(items) + 1)
+        for i in range(len(items) - 1, -1, -1):
+            item, needed = items[i]
+            then[i] = (f",{item}" if needed else f"(?:,{item})?") + then[i + 1]
+        first = ""
+        for i in range(len(items) - 1, -1, -1):
+            item, needed = items[i]
+            if needed:
+                first = item + then[i + 1]
+            else:
+                first = _alternatives([item + then[i + 1], first]) if first else f"(?:{item + then[i + 1]})?"
+        return r"\{" + first + r"\}"
+
+    def _generic(self, depth: int) -> str:
+        """Any value, objects and arrays nested at most `depth` levels."""
+        options = list(self.scalars.values())
+        if depth > 0:
+            options += [_list(r"\[", self._generic(depth - 1), r"\]", 0, None), self._generic_object(depth)]
+        return _alternatives(options)
+
+    def _generic_object(self, depth: int) -> str:
+        return _list(r"\{", f"{KEY}:(?:{self._generic(depth - 1)})", r"\}", 0, None)
 
 
 def _types(schema: dict, path: str) -> list[str] | None:
@@ -113,22 +212,6 @@ def _types(schema: dict, path: str) -> list[str] | None:
     if not isinstance(types, list) or not types or any(t not in TYPES for t in types):
         raise SchemaError(f"{path}.type: expected one of {', '.join(TYPES)} or a list of them, got {kind!r}")
     return types
-
-
-def _typed(kind: str, schema: dict, path: str) -> str:
-    if kind == "string":
-        low, high = _bounds(schema, "minLength", "maxLength", path)
-        if low == 0 and high is None:
-            return SCALARS["string"]
-        return Q + f"[^<]{{{low},{'' if high is None else high}}}" + Q
-    if kind == "object":
-        return _object(schema, path)
-    if kind == "array":
-        items = schema.get("items")
-        item = _generic(GENERIC_DEPTH - 1) if items is None else _value(items, f"{path}.items")
-        low, high = _bounds(schema, "minItems", "maxItems", path)
-        return _list(r"\[", item, r"\]", low, high)
-    return SCALARS[kind]
 
 
 def _bounds(schema: dict, low_key: str, high_key: str, path: str) -> tuple[int, int | None]:
@@ -148,56 +231,6 @@ def _list(open_: str, item: str, close: str, low: int, high: int | None) -> str:
     more = f"{{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
     body = f"(?:{item})(?:,(?:{item})){more}"
     return open_ + (body if low > 0 else f"(?:{body})?") + close
-
-
-def _object(schema: dict, path: str) -> str:
-    properties = schema.get("properties")
-    extra = schema.get("additionalProperties", True)
-    if not isinstance(extra, bool):
-        raise SchemaError(f"{path}.additionalProperties: only true or false is supported, not a schema")
-    if properties is None or properties == {}:
-        return r"\{\}" if extra is False else _generic_object(GENERIC_DEPTH)
-    if not isinstance(properties, dict):
-        raise SchemaError(f"{path}.properties: expected an object")
-    required = schema.get("required", [])
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise SchemaError(f"{path}.required: expected a list of property names")
-    missing = sorted(set(required) - set(properties))
-    if missing:
-        raise SchemaError(f"{path}.required: {missing[0]!r} is not among the properties")
-    names = sorted(properties)
-    for name in names:
-        if not re.fullmatch(r"[\w\-.]+", name):
-            raise SchemaError(f"{path}.properties: {name!r} cannot be a bare key in Gemma's notation")
-    items = [(re.escape(name) + ":" + _value(properties[name], f"{path}.properties.{name}"), name in required)
-             for name in names]
-    # first(i): the properties from i on when none was written yet (no comma before the first one);
-    # then(i): the same once one was written (each present property starts with a comma).
-    then = [""] * (len(items) + 1)
-    for i in range(len(items) - 1, -1, -1):
-        item, needed = items[i]
-        then[i] = (f",{item}" if needed else f"(?:,{item})?") + then[i + 1]
-    first = ""
-    for i in range(len(items) - 1, -1, -1):
-        item, needed = items[i]
-        if needed:
-            first = item + then[i + 1]
-        else:
-            first = _alternatives([item + then[i + 1], first]) if first else f"(?:{item + then[i + 1]})?"
-    return r"\{" + first + r"\}"
-
-
-def _generic(depth: int) -> str:
-    """Any value, objects and arrays nested at most `depth` levels."""
-    options = list(SCALARS.values())
-    if depth > 0:
-        inner = _generic(depth - 1)
-        options += [_list(r"\[", inner, r"\]", 0, None), _generic_object(depth)]
-    return _alternatives(options)
-
-
-def _generic_object(depth: int) -> str:
-    return _list(r"\{", f"{KEY}:(?:{_generic(depth - 1)})", r"\}", 0, None)
 
 
 def _alternatives(options: list[str]) -> str:
