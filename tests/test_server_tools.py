@@ -1,0 +1,191 @@
+"""Tool calls, thinking, n choices and the other fields clients send, against a real `dgemma serve` on
+loopback through the official openai client. The model is a tiny random checkpoint whose tokenizer has
+Gemma's shape (conftest.py) and whose chat template writes Gemma 4's format (tests/data)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from dgemma.serving.protocol import ChatCompletionRequest, parse
+from dgemma.tokenizer import Tokenizer
+from tests.test_server import MODEL, ServerProcess
+
+TEMPLATE = Path(__file__).parent / "data" / "gemma4_chat_template.jinja"
+Q = '<|"|>'
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer"}},
+        "required": ["city"], "additionalProperties": False}}}
+PING = {"type": "function", "function": {"name": "ping", "description": "Is the service up?"}}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "15 C, sunny"},
+    {"role": "assistant", "content": "<|channel>thought\nIt is sunny.<channel|>It is 15 C and sunny."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+RENDERED = (
+    "<bos><|turn>system\n<|think|>Be brief."
+    f"<|tool>declaration:get_weather{{description:{Q}Current weather in a city{Q},parameters:{{"
+    f"additionalProperties:false,properties:{{city:{{description:{Q}the city{Q},type:{Q}STRING{Q}}},"
+    f"days:{{type:{Q}INTEGER{Q}}},unit:{{enum:[{Q}celsius{Q},{Q}fahrenheit{Q}],type:{Q}STRING{Q}}}}},"
+    f"required:[{Q}city{Q}],type:{Q}OBJECT{Q}}}}}<tool|>"
+    f"<|tool>declaration:ping{{description:{Q}Is the service up?{Q}}}<tool|><turn|>\n"
+    "<|turn>user\nWeather in Paris?<turn|>\n"
+    f"<|turn>model\n<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:2}}<tool_call|>"
+    f"<|tool_response>response:get_weather{{value:{Q}15 C, sunny{Q}}}<tool_response|>"
+    "It is 15 C and sunny.<turn|>\n"  # the earlier thought is gone
+    "<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(gemma_tokenizer_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4-chat") / "model"
+    shutil.copytree(gemma_tokenizer_model_dir, folder)
+    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(gemma4_dir):
+    s = ServerProcess(gemma4_dir, "--max-batch", "8", "--max-queue", "16")
+    yield s
+    s.stop()
+    errors = s.proc.stderr.read()
+    assert s.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gemma4_dir):
+    return Tokenizer.from_folder(gemma4_dir)
+
+
+def _prompt(tokenizer, body: dict) -> str:
+    request = parse(ChatCompletionRequest, {"model": MODEL, **body})
+    return tokenizer.render_chat(request.chat(), add_generation_prompt=True, **request.template_kwargs())
+
+
+# -- what the template sees -----------------------------------------------------------------------------
+
+def test_tools_calls_and_results_render_as_gemma_4_writes_them(client, tokenizer):
+    body = {"messages": CONVERSATION, "tools": [WEATHER, PING], "reasoning_effort": "low"}
+    assert _prompt(tokenizer, body) == RENDERED
+    out = client.chat.completions.create(model=MODEL, max_tokens=16, seed=0, **body)
+    assert out.usage.prompt_tokens == len(tokenizer.encode(RENDERED, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("switch,thinking", [
+    ({}, False), ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "minimal"}, True),
+    ({"reasoning_effort": "high"}, True), ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, False),
+])
+def test_thinking_switches(client, tokenizer, switch, thinking):
+    body = {"messages": [{"role": "user", "content": "Hi"}], **switch}
+    prompt = _prompt(tokenizer, body)
+    if thinking:  # a system turn opens with <|think|>; the answer starts free
+        assert prompt == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
+    else:  # no thinking: an empty thought is already written for the model
+        assert prompt == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    extra = {k: v for k, v in switch.items() if k == "chat_template_kwargs"}
+    kwargs = {k: v for k, v in switch.items() if k != "chat_template_kwargs"}
+    out = client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=16, seed=0,
+                                         extra_body=extra, **kwargs)
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_tool_choice_none_keeps_the_declarations(client, tokenizer):
+    """As vLLM does by default: the tools stay in the prompt, and calls in the answer stay text."""
+    messages = [{"role": "user", "content": "Weather?"}]
+    counts = [client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice,
+                                             max_tokens=16, seed=1).usage.prompt_tokens for choice in ("none", "auto")]
+    assert counts[0] == counts[1] == len(tokenizer.encode(_prompt(tokenizer, {"messages": messages, "tools": [WEATHER]}),
+                                                          add_special_tokens=False))
+
+
+# -- n choices ------------------------------------------------------------------------------------------
+
+def test_n_choices_are_the_seeds_of_one_prompt(client):
+    messages = [{"role": "user", "content": "Name a colour"}]
+    many = client.chat.completions.create(model=MODEL, messages=messages, n=3, seed=40, max_tokens=32)
+    alone = [client.chat.completions.create(model=MODEL, messages=messages, seed=40 + i, max_tokens=32)
+             for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [a.choices[0].message.content for a in alone]
+    assert [c.finish_reason for c in many.choices] == [a.choices[0].finish_reason for a in alone]
+    assert len({c.message.content for c in many.choices}) > 1  # different seeds, different answers
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert [s["seed"] for s in many.model_extra["dgemma"]["choices"]] == [40, 41, 42]
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=3, seed=40, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["", "", ""], {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                assert choice.index not in finishes
+                finishes[choice.index] = choice.finish_reason
+    assert texts == [c.message.content for c in many.choices]
+    assert finishes == {i: c.finish_reason for i, c in enumerate(many.choices)}
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+
+    completions = client.completions.create(model=MODEL, prompt="Colours:", n=2, seed=7, max_tokens=16)
+    assert [c.text for c in completions.choices] == [
+        client.completions.create(model=MODEL, prompt="Colours:", seed=7 + i, max_tokens=16).choices[0].text
+        for i in range(2)]
+
+
+# -- bad requests ---------------------------------------------------------------------------------------
+
+BAD = [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "no tool is named 'get_time'"),
+    ({"tool_choice": "required"}, "a required or named tool_choice needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "two tools are named 'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"},
+     "unsupported keyword 'minimum'"),
+    ({"messages": [{"role": "tool", "content": "15 C"}]}, "needs the tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "user", "content": "x",
+      "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]}]}, "only assistant messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
+     "expected a JSON object in a string"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs are not available"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bad_tool_and_thinking_bodies_are_400(client, change, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **change}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=body.pop("messages"), extra_body=body)
+    assert message in caught.value.body["message"], caught.value.body
+
+
+def test_completion_logprobs_are_refused(client):
+    for logprobs in (0, 3):
+        with pytest.raises(openai.BadRequestError, match="logprobs are not available"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=8, logprobs=logprobs)
