@@ -88,6 +88,12 @@ class ServerProcess:
             time.sleep(0.02)
         raise AssertionError(f"server still busy after {timeout}s: {self.health()}")
 
+    def stop_cleanly(self):
+        """Stop, and check that it ended as uvicorn does on SIGTERM, without a traceback."""
+        self.stop()
+        errors = self.proc.stderr.read()
+        assert self.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -124,10 +130,7 @@ PUZZLE = "5300700006001950000980000608000600034008030017000200060600002800004190
 def server(tiny_model_dir):
     s = ServerProcess(tiny_model_dir, "--max-batch", "4", "--max-queue", "16", "--max-body-bytes", "65536")
     yield s
-    s.stop()
-    errors = s.proc.stderr.read()
-    # uvicorn shuts down cleanly on SIGTERM, then exits by the same signal
-    assert s.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+    s.stop_cleanly()
 
 
 @pytest.fixture(scope="module")

@@ -105,21 +105,30 @@ class _Parser:
         self.pos = end + len(QUOTE)
         return self.text[start:end]
 
-    def object(self) -> dict:
-        self.expect("{")
-        result: dict[str, Any] = {}
-        if self.peek() == "}":
+    def sequence(self, open_: str, close: str, item) -> list:
+        """`open item,item,... close`, each item read by `item()`."""
+        self.expect(open_)
+        items: list[Any] = []
+        if self.peek() == close:
             self.pos += 1
-            return result
+            return items
         while True:
-            key = self.key()
-            self.expect(":")
-            result[key] = self.value()
-            if self.peek() == ",":
-                self.pos += 1
-                continue
-            self.expect("}")
-            return result
+            items.append(item())
+            if self.peek() != ",":
+                self.expect(close)
+                return items
+            self.pos += 1
+
+    def object(self) -> dict:
+        return dict(self.sequence("{", "}", self.pair))
+
+    def pair(self) -> tuple[str, Any]:
+        key = self.key()
+        self.expect(":")
+        return key, self.value()
+
+    def array(self) -> list:
+        return self.sequence("[", "]", self.value)
 
     def key(self) -> str:
         self.skip_space()
@@ -133,20 +142,6 @@ class _Parser:
             raise SyntaxProblem(f"expected a key at {self.pos}")
         self.pos = end
         return key
-
-    def array(self) -> list:
-        self.expect("[")
-        items: list[Any] = []
-        if self.peek() == "]":
-            self.pos += 1
-            return items
-        while True:
-            items.append(self.value())
-            if self.peek() == ",":
-                self.pos += 1
-                continue
-            self.expect("]")
-            return items
 
     def bare(self) -> Any:
         end = self.pos
