@@ -182,3 +182,44 @@ def test_completion_logprobs_are_refused(client):
     for logprobs in (0, 3):
         with pytest.raises(openai.BadRequestError, match="logprobs are not available"):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=8, logprobs=logprobs)
+
+
+# -- stop strings ---------------------------------------------------------------------------------------
+
+def _across_first_boundary(deltas: list[str]) -> str:
+    """A stop string that spans the end of the first streamed canvas's text and the start of the next
+    (whitespace a chat answer held back at the first canvas's end goes out with the second)."""
+    full, cut = "".join(deltas), len(deltas[0])
+    after = cut + len(full[cut:]) - len(full[cut:].lstrip())
+    return full[cut - 2 : after + 2]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_stop_strings_across_canvases_and_never_streamed_past(client, endpoint):
+    def run(**kwargs):
+        common = dict(model=MODEL, seed=3, max_tokens=64, **kwargs)
+        if endpoint == "chat":
+            return client.chat.completions.create(messages=[{"role": "user", "content": "Tell a story"}], **common)
+        return client.completions.create(prompt="Once upon a time", **common)
+
+    def text_of(choice):
+        return choice.message.content if endpoint == "chat" else choice.text
+
+    def deltas(stream):
+        pieces = []
+        for chunk in stream:
+            for choice in chunk.choices:
+                piece = choice.delta.content if endpoint == "chat" else choice.text
+                if piece:
+                    pieces.append(piece)
+        return pieces
+
+    full = text_of(run().choices[0])
+    streamed = deltas(run(stream=True))
+    assert "".join(streamed) == full and len(streamed) >= 2
+    stop = _across_first_boundary(streamed)
+    expected = full[: full.index(stop)]
+    cut = run(stop=[stop, "never written"]).choices[0]
+    assert text_of(cut) == expected and cut.finish_reason == "stop"
+    pieces = deltas(run(stop=stop, stream=True))
+    assert "".join(pieces) == expected
