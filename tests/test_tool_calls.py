@@ -276,3 +276,46 @@ def test_unclosed_thought_is_reasoning_and_other_text_is_untouched():
     assert out.message() == {"role": "assistant", "content": "", "reasoning_content": "still thinking"}
     out, _ = _split("a < b, x |> y, <|tool and <|channel", [3, 20])
     assert out.message()["content"] == "a < b, x |> y, <|tool and <|channel"
+
+
+# -- the constraint over a Gemma-shaped vocabulary ---------------------------------------------------------
+
+@pytest.mark.parametrize("thought", [False, True])
+def test_constrained_canvases_are_valid_calls_whatever_the_distributions(gemma_tokenizer_model_dir, thought):
+    """Random peaky distributions, canvas after canvas through the DP under the calls' automaton: every
+    answer is one or more calls to the tools, with arguments valid under their schemas, marks as tokens."""
+    import torch
+
+    from dgemma.serving.chat_output import MARKS
+    from dgemma.serving.tool_schema import calls_constraint
+    from dgemma.structured import ENDED, constrained_canvas
+    from dgemma.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)
+    automaton = calls_constraint(tokenizer, tokenizer.vocab_size, [("get_weather", WEATHER), ("ping", None)],
+                                 several=True, thought=thought)
+    marks = {tokenizer.token_to_id(m) for m in MARKS}
+    thoughts = 0
+    for seed in range(12):
+        generator, state, tokens = torch.Generator().manual_seed(seed), automaton.initial, []
+        for start in range(0, 240, 16):
+            probs = torch.softmax(torch.randn(16, tokenizer.vocab_size, generator=generator) * 3.0, -1)
+            choice = constrained_canvas(automaton, probs, state, budget=240 - start, eos_token_ids=[1],
+                                        pad_token_id=0)
+            row = choice.tokens.tolist()
+            tokens += row[: row.index(1)] if 1 in row else row
+            if choice.state == ENDED:
+                break
+            state = choice.state
+        assert choice.state == ENDED
+        out = ChatOutput(parse_tools=True)
+        out.add(tokenizer.decode(tokens, keep=marks))
+        out.finish()
+        message = out.message()
+        assert message["content"] is None and message["tool_calls"], message
+        thoughts += "reasoning_content" in message
+        for call in message["tool_calls"]:
+            assert call["function"]["name"] in ("get_weather", "ping")
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                WEATHER if call["function"]["name"] == "get_weather" else {"maxProperties": 0})
+    assert (thoughts > 0) == thought

@@ -44,8 +44,9 @@ from dgemma.serving.protocol import (
     parse,
     usage,
 )
-from dgemma.serving.tool_schema import CallGrammar, SchemaError
+from dgemma.serving.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
+from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -112,9 +113,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body = parse(ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
         _check_model(state, body.model)
-        prompt = _encode(state.codec.encode_chat, body.chat(), body.template_kwargs())
+        template_kwargs = body.template_kwargs()
+        prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
+        constraint = _tool_constraint(state, body, template_kwargs)
         return await _generate(state, request, body, prompt, body.token_limit, chat=True,
-                               parse_tools=body.tool_mode != "none", constraint=_tool_constraint(state, body))
+                               parse_tools=body.tool_mode != "none", constraint=constraint)
 
     app.include_router(v1)
     return app
@@ -204,16 +207,22 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
         raise bad_request(str(e)) from None
 
 
-def _tool_constraint(state: ServerState, body: ChatCompletionRequest):
+def _tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
     """tool_choice "required" or a named function: the answer must be calls with valid arguments."""
     if body.tool_mode not in ("required", "named"):
         return None
+    if state.codec.task != "text":
+        raise bad_request(f"tool_choice: a {state.codec.task} model does not call tools", param="tool_choice")
     tools = [(f.name, f.parameters) for f in body.allowed_tools()]
     try:
-        regex = CallGrammar().calls(tools, several=body.tool_mode == "required" and body.parallel_tool_calls is not False)
+        return calls_constraint(state.codec.tokenizer, state.codec.vocab_size, tools,
+                                several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
+                                thought=bool(template_kwargs.get("enable_thinking")))
     except SchemaError as e:
         raise bad_request(f"tools: {e}", param="tools") from None
-    raise bad_request(f"tool_choice: constrained calls are not available yet ({len(regex)})", param="tool_choice")
+    except (VocabularyError, ConstraintError) as e:
+        raise bad_request(f"tool_choice: this model cannot be constrained to Gemma 4's tool calls: {e}",
+                          param="tool_choice") from None
 
 
 # -- generation ---------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ Choices the expression makes (all valid Gemma output):
     nested at most two levels deep, with keys of letters, digits and '_'.
 
 Gemma's marks are special tokens. `CallGrammar()` writes them as their text (to match decoded text);
-a constraint passes `special`, the regex its vocabulary gives each special token, and `exclude`, the
-characters no text inside a call may hold (those same tokens).
+`calls_constraint` passes `special`, the regex its vocabulary gives each special token, and `exclude`,
+the characters no text inside a call may hold (those same tokens).
+
+With thinking on, the calls may follow a thought (`<|channel>thought\n...<channel|>`), any text.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from dgemma.serving.chat_output import THOUGHT_END, THOUGHT_LABEL, THOUGHT_START
 from dgemma.serving.tool_calls import CALL_END, CALL_START, QUOTE, format_value
+from dgemma.structured import SchemaError, TokenAutomaton, TokenVocabulary, regex_constraint
+from dgemma.structured.vocabulary import MAX_SPECIAL, SPECIAL_BASE
+
+MARKS = (QUOTE, CALL_START, CALL_END, THOUGHT_START, THOUGHT_END)  # special tokens a constrained answer writes
+SPECIAL_CHARACTERS = f"{chr(SPECIAL_BASE)}-{chr(SPECIAL_BASE + MAX_SPECIAL - 1)}"  # how a vocabulary writes them
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment"}
 SUPPORTED = {"type", "properties", "required", "additionalProperties", "enum", "const", "items", "minItems",
@@ -40,8 +48,14 @@ NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-class SchemaError(ValueError):
-    """The schema uses something outside the supported subset, or is malformed (the message says which)."""
+def calls_constraint(tokenizer, vocab_size: int, tools: list[tuple[str, dict | None]], *, several: bool,
+                     thought: bool) -> TokenAutomaton:
+    """The token automaton of `CallGrammar.calls` over this tokenizer (cached per tools and tokenizer).
+    Raises SchemaError for a schema outside the subset, VocabularyError when a mark is not a token."""
+    vocabulary = TokenVocabulary.from_tokenizer(tokenizer, size=vocab_size, special_tokens=MARKS)
+    grammar = CallGrammar(special=lambda mark: re.escape(vocabulary.special(mark)), exclude=SPECIAL_CHARACTERS)
+    return regex_constraint(grammar.calls(tools, several=several, thought=thought), vocabulary,
+                            description="tool calls")
 
 
 def text_without(mark: str, exclude: str = "") -> str:
@@ -75,13 +89,19 @@ class CallGrammar:
                         "number": NUMBER, "boolean": "(?:true|false)", "null": "null"}
         self._root: dict = {}
 
-    def calls(self, tools: list[tuple[str, dict | None]], *, several: bool = True) -> str:
-        """Calls to the given tools, (name, parameters schema or None): one call, or one or more back to back."""
+    def calls(self, tools: list[tuple[str, dict | None]], *, several: bool = True, thought: bool = False) -> str:
+        """Calls to the given tools, (name, parameters schema or None): one call, or one or more back to back;
+        `thought`: an optional thought before them."""
         if not tools:
             raise SchemaError("no tools to call")
         one = _alternatives([self.special(CALL_START) + re.escape(f"call:{name}") + self.arguments(params)
                              + self.special(CALL_END) for name, params in tools])
-        return f"(?:{one})+" if several else one
+        calls = f"(?:{one})+" if several else one
+        if not thought:
+            return calls
+        text = text_without(THOUGHT_END, self.exclude)
+        return (f"(?:{self.special(THOUGHT_START)}{re.escape(THOUGHT_LABEL)}{text}{self.special(THOUGHT_END)})?"
+                + calls)
 
     def arguments(self, schema: dict | None) -> str:
         """The `{...}` after `call:NAME`: an object valid under `schema` (None or {} takes no arguments)."""
@@ -104,7 +124,7 @@ class CallGrammar:
         unknown = sorted(set(schema) - SUPPORTED)
         if unknown:
             raise SchemaError(f"{path}: unsupported keyword {unknown[0]!r} (supported: "
-                              f"{', '.join(sorted(SUPPORTED - ANNOTATIONS))})")
+                              f"{', '.join(sorted(SUPPORTED - ANNOTATIONS))})", keyword=unknown[0])
         if "$ref" in schema:
             target = self._resolve(schema["$ref"], path, refs)
             rest = {k: v for k, v in schema.items() if k != "$ref"}
