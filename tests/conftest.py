@@ -192,11 +192,12 @@ def gemma_tokenizer_model_dir(tmp_path_factory):
     import dgemma
 
     folder = tmp_path_factory.mktemp("gemma-tokenizer-model")
-    info = write_gemma_tokenizer(folder)
+    info = write_gemma_tokenizer(tmp_path_factory.mktemp("gemma-tokenizer"))
     config = dgemma.get_preset("tiny").replace(vocab_size=info["vocab_size"], max_position_embeddings=1024)
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(
         eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder)  # (it empties the folder first)
+    write_gemma_tokenizer(folder)
     return folder
