@@ -217,8 +217,10 @@ class ARTimed(Timed):
 
 
 def save_for_transformers(model) -> tempfile.TemporaryDirectory:
+    from dgemma.model.checkpoint import save_pretrained
+
     tmp = tempfile.TemporaryDirectory(prefix="dgemma-bench-")
-    model.save_pretrained(os.path.join(tmp.name, "model"))
+    save_pretrained(model, os.path.join(tmp.name, "model"))
     return tmp
 
 

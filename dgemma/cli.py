@@ -69,12 +69,24 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 GENERATING = {"generate", "chat", "serve", "bench", "sudoku"}
 
 
+def _resolve_model_names(args):
+    """`--model` (and convert's SRC_DIR) may name a Hugging Face id: commands only ever see a local folder."""
+    from dgemma.model.hub import resolve_model
+
+    for attr in ("model", "src"):
+        name = getattr(args, attr, None)
+        if name:
+            setattr(args, attr, str(resolve_model(name, getattr(args, "revision", None))))
+            setattr(args, f"{attr}_name", name)  # what the user typed: the id names a served model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in GENERATING and getattr(args, "keep_freed_memory", True):
         keep_freed_memory()
     try:
+        _resolve_model_names(args)
         return args._run(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

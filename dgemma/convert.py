@@ -37,11 +37,10 @@ from safetensors import SafetensorError, safe_open
 
 from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.checkpoint import (
-    ENCODER_PREFIX,
     INDEX_FILE,
-    PREFIX,
     SINGLE_FILE,
     CheckpointError,
+    checkpoint_key,
     move_into_place,
     read_json,
 )
@@ -532,9 +531,10 @@ def plan_conversion(
     for name, meta in expected.items():
         shape = tuple(meta.shape)
         if name in fresh:
-            planned.append(PlannedTensor(PREFIX + name, shape, new_dtype, make=fresh[name]))
+            planned.append(PlannedTensor(checkpoint_key(name), shape, new_dtype, make=fresh[name]))
             continue
-        source_name = text_prefix + name
+        # Gemma 4 has one layer scalar per layer; DiffusionGemma keeps one per stack, both start from it
+        source_name = text_prefix + name.replace("encoder_layer_scalar", "layer_scalar")
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if m and int(m.group(1)) in layout.kv_producer and m.group(2) in KV_TENSORS:
             # A KV-shared layer had no K/V projections of its own: it attended with the keys and values of
@@ -549,9 +549,7 @@ def plan_conversion(
             )
         used.add(source_name)
         out_dtype = dtype or source.dtype
-        planned.append(PlannedTensor(PREFIX + name, shape, out_dtype, source=source))
-        if name.endswith("layer_scalar"):  # transformers keeps this buffer for the encoder too
-            planned.append(PlannedTensor(ENCODER_PREFIX + name, shape, out_dtype, source=source))
+        planned.append(PlannedTensor(checkpoint_key(name), shape, out_dtype, source=source))
 
     plan = ConversionPlan(src, config, {}, {}, planned)
     leftovers = sorted(set(parts["text"]) - used)

@@ -40,24 +40,52 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
+def perturb_every_tensor(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Move every parameter and persistent buffer of `model` away from its initial value.
+
+    A norm weight of 1, a scale of 1 or a layer scalar equal in both stacks look right whichever copy a
+    loader reads; after this, a tensor read from the wrong key or ignored changes the logits. Clipping
+    bounds of +-inf become finite. Non-persistent buffers (RoPE frequencies, the embedding scale) are
+    functions of the config, not contents of a checkpoint, and stay as they are.
+    """
+    g = torch.Generator().manual_seed(1000 + seed)
+    persistent = set(model.state_dict())
+    tensors = [(n, t) for n, t in model.named_parameters()] + [(n, t) for n, t in model.named_buffers()]
+    with torch.no_grad():
+        for name, t in tensors:
+            if name not in persistent or not t.is_floating_point():
+                continue
+            noise, shift = torch.randn(t.shape, generator=g), torch.randn(t.shape, generator=g)
+            bound = torch.sign(t) * (0.5 + torch.rand(t.shape, generator=g))
+            if t.dim() >= 2:
+                moved = t * (1 + 0.1 * noise) + 0.01 * shift  # already random: keep the scale
+            else:
+                moved = t * (1 + 0.2 * noise) + 0.1 * shift
+            t.copy_(torch.where(torch.isinf(t), bound, moved))
+    return model
+
+
+def unperturbed_tensors(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
+    """Names of state-dict tensors of `model` equal to those of `fresh` (the same class, default init)."""
+    ours = model.state_dict()
+    return [n for n, t in fresh.state_dict().items() if t.is_floating_point() and torch.equal(ours[n], t)]
+
+
+def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None):
+    from transformers import DiffusionGemmaConfig
+
+    return DiffusionGemmaConfig(text_config=dict(TINY_TEXT_CONFIGS[name]), vision_config=dict(vision or TINY_VISION),
+                                canvas_length=canvas_length)
+
+
 def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0):
-    """A transformers DiffusionGemmaForBlockDiffusion with random weights, norms and scales perturbed so
-    that every parameter matters (ones would hide a missing scale)."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    """A transformers DiffusionGemmaForBlockDiffusion with random weights and every parameter and buffer
+    perturbed (`perturb_every_tensor`): each stack's layer scalars differ, norms and scales are not 1."""
+    from transformers import DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    cfg = DiffusionGemmaConfig(text_config=dict(TINY_TEXT_CONFIGS[name]), vision_config=dict(TINY_VISION),
-                               canvas_length=canvas_length)
-    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-        scalars = torch.rand(len(model.model.decoder.layers)) * 0.5 + 0.75
-        for layers in (model.model.decoder.layers, model.model.encoder.language_model.layers):
-            for layer, value in zip(layers, scalars):
-                layer.layer_scalar.fill_(float(value))
-    return model
+    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length)).eval()
+    return perturb_every_tensor(model, seed)
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +142,7 @@ def tiny_model_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(eos_token_ids=(1,), max_denoising_steps=8)
-    model.save_pretrained(folder)
+    dgemma.save_pretrained(model, folder)
     assert write_tiny_tokenizer(folder) <= config.vocab_size
     return folder
 

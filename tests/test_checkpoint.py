@@ -34,7 +34,7 @@ def test_our_save_loads_in_transformers(tmp_path, hf_checkpoints):
     folder, _ = hf_checkpoints["gemma-pattern"]
     ours = dgemma.load_model(folder)
     out = tmp_path / "ours"
-    ours.save_pretrained(out)
+    dgemma.save_pretrained(ours, out)
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(out).eval()
     ids, canvas = torch.randint(0, 96, (2, 9)), torch.randint(0, 96, (2, 16))
     assert (_logits(ours, ids, canvas, True) - _logits(hf, ids, canvas, False)).abs().max() <= TOL
@@ -48,7 +48,7 @@ def test_randomly_initialised_model_saves_for_transformers(tmp_path):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     ours = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()
-    ours.save_pretrained(tmp_path / "m", max_shard_bytes=60_000)
+    dgemma.save_pretrained(ours, tmp_path / "m", max_shard_bytes=60_000)
     assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "m").eval()
     ids, canvas = torch.randint(0, 128, (1, 11)), torch.randint(0, 128, (1, 16))
@@ -65,6 +65,56 @@ def test_transformers_save_loads_in_ours(tmp_path, hf_checkpoints, shard):
     ours = dgemma.load_model(tmp_path / "hf")
     ids, canvas = torch.randint(0, 128, (2, 13)), torch.randint(0, 128, (2, 16))
     assert (_logits(ours, ids, canvas, True) - _logits(hf, ids, canvas, False)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_every_checkpoint_key_is_accounted_for(tmp_path, hf_checkpoints, shard):
+    """A transformers save: every key it holds is read into the model or skipped for a stated reason,
+    and both stacks' layer scalars are read from their own keys."""
+    from safetensors import safe_open
+
+    _, hf = hf_checkpoints["alternating"]
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    keys = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    model = dgemma.load_model(folder)
+    assert set(model.load_report) == keys
+    assert all(d == "read" or d.startswith("skipped: ") for d in model.load_report.values())
+    read = {k for k, d in model.load_report.items() if d == "read"}
+    assert len(read) == len(model.state_dict())
+    for i, (ours, enc, dec) in enumerate(zip(model.layers, hf.model.encoder.language_model.layers,
+                                             hf.model.decoder.layers)):
+        assert f"model.encoder.language_model.layers.{i}.layer_scalar" in read
+        assert torch.equal(ours.encoder_layer_scalar, enc.layer_scalar)
+        assert torch.equal(ours.layer_scalar, dec.layer_scalar)
+
+
+def test_both_layer_scalars_saved_as_loaded(tmp_path, hf_checkpoints):
+    from safetensors.torch import load_file
+
+    folder, hf = hf_checkpoints["gemma-pattern"]
+    dgemma.save_pretrained(dgemma.load_model(folder), tmp_path / "again")
+    saved = load_file(tmp_path / "again" / "model.safetensors")
+    for i, (enc, dec) in enumerate(zip(hf.model.encoder.language_model.layers, hf.model.decoder.layers)):
+        assert torch.equal(saved[f"model.encoder.language_model.layers.{i}.layer_scalar"], enc.layer_scalar)
+        assert torch.equal(saved[f"model.decoder.layers.{i}.layer_scalar"], dec.layer_scalar)
+
+
+def test_unknown_keys_are_refused_by_name(broken):
+    from safetensors.torch import load_file, save_file
+
+    shard = _shards(broken)[0]
+    tensors = load_file(shard)
+    tensors["model.decoder.layers.0.mystery.weight"] = torch.zeros(2)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.decoder.layers.0.mystery.weight"] = shard.name
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model\.decoder\.layers\.0\.mystery\.weight: not part of"):
+        dgemma.load_model(broken)
 
 
 def test_vision_weights_skipped_with_one_notice(hf_checkpoints, capfd):
@@ -144,7 +194,7 @@ def test_pickle_only_folder_is_refused(tmp_path, hf_checkpoints):
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
-    model.save_pretrained(tmp_path / "m")
+    dgemma.save_pretrained(model, tmp_path / "m")
     before = sorted(p.name for p in (tmp_path / "m").iterdir())
 
     def boom(*a, **k):
@@ -152,7 +202,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr("dgemma.model.checkpoint.save_file", boom)
     with pytest.raises(OSError):
-        model.save_pretrained(tmp_path / "m")
+        dgemma.save_pretrained(model, tmp_path / "m")
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folder left behind
 
@@ -164,6 +214,26 @@ def test_cli_reports_bad_folder_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "config.json" in proc.stderr and "llama" in proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "unlisted key"])
+def test_info_checks_every_shard_header_without_reading_weights(broken, damage):
+    """`dgemma info --model` checks the headers of every shard against the index and the file sizes:
+    a truncated, missing or inconsistent shard is one line on stderr and exit code 2."""
+    victim = _shards(broken)[-1]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-7])
+    elif damage == "delete":
+        victim.unlink()
+    else:
+        index = json.loads((broken / "model.safetensors.index.json").read_text())
+        key = next(k for k, f in index["weight_map"].items() if f == victim.name)
+        del index["weight_map"][key]
+        (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "info", "--model", str(broken)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and victim.name in proc.stderr
 
 
 @pytest.mark.parametrize("change,message", [

@@ -19,6 +19,7 @@ import dgemma
 from dgemma.cli import main as dgemma_main
 from dgemma.convert import convert_gemma4
 from dgemma.model import CheckpointError
+from tests.conftest import perturb_every_tensor
 
 TOL = 1e-4
 S, F = "sliding_attention", "full_attention"
@@ -70,17 +71,8 @@ def text_config(name="alternating", **changes):
 
 
 def _perturb(model, seed):
-    """Norms, router scales and layer scalars away from their init of ones, so a missing or misplaced
-    one changes the logits."""
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.fill_(float(torch.rand((), generator=g)) * 0.5 + 0.75)
-    return model.eval()
+    """Every parameter and buffer away from its init, so a missing or misplaced one changes the logits."""
+    return perturb_every_tensor(model, seed).eval()
 
 
 def make_causal_lm(seed=0, **text):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dgemma
-from tests.conftest import TINY_TEXT_CONFIGS
+from tests.conftest import TINY_TEXT_CONFIGS, hf_config, unperturbed_tensors
 
 TOL = 1e-4
 
@@ -18,6 +18,20 @@ def softcap(x, cap=30.0):
 def hf_encode(hf, ids, cache, attention_mask=None):
     out = hf.model.encoder(input_ids=ids, past_key_values=cache, attention_mask=attention_mask)
     return softcap(hf.lm_head(out.last_hidden_state))
+
+
+@pytest.mark.parametrize("name", list(TINY_TEXT_CONFIGS))
+def test_reference_models_have_every_tensor_perturbed(hf_checkpoints, name):
+    """The oracle's parameters and persistent buffers all differ from a default initialisation, and the
+    two stacks' layer scalars differ from each other, so no loading mistake can hide behind a 1."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    _, hf = hf_checkpoints[name]
+    torch.manual_seed(0)
+    fresh = DiffusionGemmaForBlockDiffusion(hf_config(name)).eval()
+    assert unperturbed_tensors(hf, fresh) == []
+    for enc, dec in zip(hf.model.encoder.language_model.layers, hf.model.decoder.layers):
+        assert not torch.equal(enc.layer_scalar, dec.layer_scalar)
 
 
 @pytest.mark.parametrize("name", list(TINY_TEXT_CONFIGS))
@@ -172,7 +186,7 @@ def test_rows_at_different_lengths_share_one_cache(hf_checkpoints):
 def test_batched_experts_equal_one_matmul_per_expert(adapted):
     """The padded (E, C, H) batched path and the per-expert loop are the same function (with LoRA too),
     also for a single token, and the loop is chosen where the grid would cost more (skewed routing)."""
-    from dgemma.model.network import Experts
+    from dgemma.model.experts import Experts
     from dgemma.training.lora import LoRAExperts
 
     config = dgemma.get_preset("tiny")
@@ -239,7 +253,7 @@ def test_generation_cache_layout_k_eq_v_once_and_canvas_slots(hf_checkpoints):
 def test_expert_path_follows_the_cost_model():
     """16 experts: one token on 2 of them runs the loop (a grid would read all 16 experts' weights), a
     64-token prefill runs the grid (the loop would be 16 matmul calls for ~8 rows each)."""
-    from dgemma.model.network import Experts
+    from dgemma.model.experts import Experts
 
     experts = Experts(dgemma.get_preset("bench-20m"))
     torch.nn.init.normal_(experts.gate_up_proj, std=0.02)

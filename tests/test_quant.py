@@ -55,7 +55,7 @@ def _briefly_trained_tiny_model(steps=500):
 @pytest.fixture(scope="module")
 def trained_tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trained-tiny")
-    _briefly_trained_tiny_model().save_pretrained(folder)
+    dgemma.save_pretrained(_briefly_trained_tiny_model(), folder)
     return folder
 
 
@@ -85,5 +85,5 @@ def test_quantised_model_refuses_to_save(tmp_path, hf_checkpoints):
     folder, _ = hf_checkpoints["alternating"]
     quant = dgemma.load_model(folder, quantize="int8")
     with pytest.raises(ValueError, match="quantised model cannot be saved"):
-        quant.save_pretrained(tmp_path / "q")
+        dgemma.save_pretrained(quant, tmp_path / "q")
     assert not (tmp_path / "q").exists()

@@ -112,7 +112,7 @@ def write_sudoku_model(folder):
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(eos_token_ids=(SudokuVocab.EOS,), max_denoising_steps=8)
-    model.save_pretrained(folder)
+    dgemma.save_pretrained(model, folder)
     (folder / "dgemma_task.json").write_text(json.dumps({"task": "sudoku"}))
     return folder
 

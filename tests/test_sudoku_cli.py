@@ -26,7 +26,7 @@ def random_sudoku_model(tmp_path_factory):
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(max_denoising_steps=4)
-    model.save_pretrained(folder)
+    dgemma.save_pretrained(model, folder)
     return folder
 
 

@@ -30,7 +30,9 @@ def non_negative_float(text: str) -> float:
 
 
 def add_model_arguments(p, *, required: bool = True):
-    p.add_argument("--model", required=required, help="a DiffusionGemma model folder (Hugging Face format)")
+    p.add_argument("--model", required=required,
+                   help="a DiffusionGemma model folder (Hugging Face format) or a Hugging Face id (org/name)")
+    add_revision_argument(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bf16 on CUDA, fp32 on CPU)")
@@ -38,6 +40,11 @@ def add_model_arguments(p, *, required: bool = True):
                    help="weight-only quantisation applied while loading")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the denoising step (a one-off compile of ~10-60 s, then faster steps)")
+
+
+def add_revision_argument(p):
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face id given to --model (default: main)")
 
 
 def add_denoising_arguments(g):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dgemma.commands._common import add_revision_argument
 
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", default="bench-20m", help="preset with random weights (default bench-20m)")
-    src.add_argument("--model", help="a model folder instead of random weights")
+    src.add_argument("--model", help="a model folder or Hugging Face id instead of random weights")
+    add_revision_argument(p)
     p.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
     p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas in fixed mode (default 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per row (default one canvas)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dgemma.commands._common import add_revision_argument
 
 DTYPE_CHOICES = ("keep", "bfloat16", "float16", "float32")
 
@@ -16,7 +17,8 @@ def add_arguments(p):
         "checkpoint: backbone weights mapped, a fresh self-conditioning block that starts as an exact no-op, "
         "tokenizer files copied. Everything is checked before anything is written.",
     )
-    g.add_argument("src", metavar="SRC_DIR", help="Gemma 4 folder in the Hugging Face format")
+    g.add_argument("src", metavar="SRC_DIR", help="Gemma 4 folder in the Hugging Face format, or a Hugging Face id")
+    add_revision_argument(g)
     g.add_argument("out", metavar="OUT_DIR", help="where to write the DiffusionGemma checkpoint")
     g.add_argument("--drop", default="", metavar="PARTS",
                    help="comma-separated parts to leave out instead of refusing: per-layer-embeddings, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from dgemma.config import ModelConfig, get_preset
+from dgemma.commands._common import add_revision_argument
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp16 scale per group
@@ -12,7 +13,8 @@ GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one f
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Hugging Face format model folder")
+    src.add_argument("--model", help="a Hugging Face format model folder or a Hugging Face id (org/name)")
+    add_revision_argument(p)
     src.add_argument("--preset", help="a named config, e.g. diffusiongemma-26b-a4b, tiny, bench-20m")
     p.add_argument("--quantize", choices=["bf16", "int8", "int4"], default="bf16",
                    help="weight format for the memory model (default bf16)")
@@ -79,6 +81,14 @@ def summary(config: ModelConfig) -> dict:
     }
 
 
+def _checkpoint_summary(stored: dict, plan) -> dict:
+    files = {t.file for t in stored.values()}
+    skipped = plan.skipped()
+    return {"tensors": len(stored), "files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "read": sum(d == "read" for d in plan.report.values()), "skipped": sum(map(len, skipped.values())),
+            "skipped_by_reason": skipped}
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
@@ -88,15 +98,15 @@ def run(args):
 
     if args.batch < 1 or args.context < 1:
         raise UsageError("--batch and --context must be >= 1")
+    checked = None
     if args.model:
-        from dgemma.config import ConfigError
-        from dgemma.model.checkpoint import CheckpointError, read_config
         from pathlib import Path
 
-        try:
-            config = ModelConfig.from_hf_dict(read_config(Path(args.model)))
-        except ConfigError as e:
-            raise CheckpointError(f"{args.model}/config.json: {e}") from None
+        from dgemma.model.checkpoint import inspect_checkpoint
+
+        # every shard's header against the index and the file sizes, every key's fate; no weight is read
+        config, stored, plan = inspect_checkpoint(Path(args.model))
+        checked = _checkpoint_summary(stored, plan)
         name = args.model
     else:
         config = get_preset(args.preset)
@@ -113,6 +123,12 @@ def run(args):
     print(f"experts          {c.num_experts} x {c.moe_intermediate_size}, top-{c.top_k_experts}, "
           f"in parallel with a dense MLP of {c.intermediate_size}")
     print(f"canvas           {c.canvas_length} tokens")
+    if checked:
+        print(f"checkpoint       {checked['tensors']} tensors in {checked['files']} file(s), "
+              f"{_gb(checked['bytes'])}; headers match the index and the file sizes; "
+              f"{checked['read']} read, {checked['skipped']} skipped")
+        for reason, keys in checked["skipped_by_reason"].items():
+            print(f"  skipped {len(keys):>5}  {reason} ({keys[0]}{', ...' if len(keys) > 1 else ''})")
     print(f"parameters       {info['total_params']:,} total, {info['active_params']:,} active per token "
           "(tied embedding counted once)")
     for group, n in info["params_by_group"].items():
@@ -125,5 +141,7 @@ def run(args):
           f"sliding layers hold {min(args.context, c.sliding_window - 1)} tokens, plus {c.canvas_length} canvas slots per layer)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
-    print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "weight_bytes")}, "memory": mem}))
+    checkpoint = {k: v for k, v in checked.items() if k != "skipped_by_reason"} if checked else None
+    print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "weight_bytes")}, "memory": mem,
+                      **({"checkpoint": checkpoint} if checkpoint else {})}))
     return 0

@@ -17,7 +17,7 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; the chosen port is printed)")
     p.add_argument("--api-key", default=os.environ.get("DGEMMA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DGEMMA_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the Hugging Face id, or the folder name)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests denoised together in one forward; the KV cache is allocated for this many")
     p.add_argument("--max-queue", type=positive_int, default=64,
@@ -56,7 +56,10 @@ def run(args):
     if model.decoder_compiled:
         print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
         worker.engine.warm_up()
-    name = args.served_model_name or folder.resolve().name
+    from dgemma.model.hub import is_hub_id
+
+    typed = getattr(args, "model_name", args.model)  # the id, when the folder came from the Hugging Face cache
+    name = args.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists() else folder.resolve().name)
     state = ServerState(worker=worker, codec=codec, model_name=name, sampling=model.sampling_config,
                         canvas_length=model.config.canvas_length, api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes)

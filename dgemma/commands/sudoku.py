@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import add_denoising_arguments, denoising_overrides
+from dgemma.commands._common import add_denoising_arguments, add_revision_argument, denoising_overrides
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
@@ -46,7 +46,9 @@ def add_arguments(p):
 
 
 def _model_arguments(p):
-    p.add_argument("--model", default=None, help=f"model folder (default: the shipped model, {SHIPPED.name})")
+    p.add_argument("--model", default=None,
+                   help=f"model folder or Hugging Face id (default: the shipped model, {SHIPPED.name})")
+    add_revision_argument(p)
     p.add_argument("--clamp", action="store_true", help="fix the givens through the canvas template")
     add_denoising_arguments(p.add_argument_group("sampling (defaults from the model's generation_config.json)"))
     p.add_argument("--seed", type=int, default=0)

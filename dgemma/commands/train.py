@@ -8,11 +8,14 @@
 
 from __future__ import annotations
 
+from dgemma.commands._common import add_revision_argument
+
 
 def add_arguments(p):
     src = p.add_argument_group("model")
     pick = src.add_mutually_exclusive_group(required=True)
-    pick.add_argument("--model", help="Hugging Face format folder to fine-tune")
+    pick.add_argument("--model", help="Hugging Face format folder or Hugging Face id to fine-tune")
+    add_revision_argument(p)
     pick.add_argument("--init", help="train from scratch: preset:NAME (e.g. preset:tiny) or a config JSON file")
     src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="override a model field with --init (repeatable), e.g. --set hidden_size=128")

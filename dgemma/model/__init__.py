@@ -1,7 +1,8 @@
 """The DiffusionGemma network, its KV cache and checkpoint I/O."""
 
 from dgemma.model.attention import KVCache
-from dgemma.model.checkpoint import CheckpointError, load_model, save_pretrained
+from dgemma.model.checkpoint import CheckpointError, save_pretrained
+from dgemma.model.hub import load_model, resolve_model
 from dgemma.model.network import DiffusionGemma
 
-__all__ = ["DiffusionGemma", "KVCache", "load_model", "save_pretrained", "CheckpointError"]
+__all__ = ["DiffusionGemma", "KVCache", "load_model", "resolve_model", "save_pretrained", "CheckpointError"]

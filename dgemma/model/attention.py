@@ -124,7 +124,7 @@ class KVCache:
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
         self.capacity = {False: max_length, True: sliding_slots}  # prefix slots, keyed by is_sliding
         self.canvas_slots = 0 if keep_all else config.canvas_length
-        self._memo: dict = {}  # see `memoized`; cleared whenever slots or lengths change
+        self._memo: dict = {}  # see `tables_for_positions`; cleared whenever slots or lengths change
         self._rows_seen: tuple = (None, None)
         self.slot_pos = {
             s: torch.full((batch_size, n), -1, dtype=torch.long, device=device) for s, n in self.capacity.items()
@@ -158,7 +158,7 @@ class KVCache:
         """Leading slots that may hold something for these rows (slots fill 0, 1, ... before a ring wraps)."""
         return min(max(self.row_lengths[r] for r in self._row_list(rows)), self.capacity[sliding])
 
-    def memoized(self, name, rows: torch.Tensor | None, build):
+    def tables_for_positions(self, name, rows: torch.Tensor | None, build):
         """`build()` once per (name, rows, their lengths) until the cache's slots change: what depends on
         positions alone, like a canvas's masks and RoPE tables, is made once per canvas, not per step."""
         row_list = self._row_list(rows)

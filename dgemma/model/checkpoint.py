@@ -1,10 +1,16 @@
 """Loading and saving the Hugging Face checkpoint format (safetensors only, never pickle).
 
-Layout, as transformers writes `DiffusionGemmaForBlockDiffusion`: the shared backbone is stored once,
-under the decoder's names (`model.decoder.<our parameter name>`); the LM head is tied to the embedding
-and not stored; `layer_scalar` is stored for the encoder too; vision-tower weights sit beside it.
-Loading builds the model on the meta device and fills it tensor by tensor from memory-mapped files,
-so a checkpoint never needs two copies in RAM.
+Layout, as transformers 5.23 writes `DiffusionGemmaForBlockDiffusion`: the shared backbone is stored
+once, under the decoder's names (`model.decoder.<our parameter name>`); the LM head is tied to the
+embedding and not stored; the per-layer buffer `layer_scalar` is stored once per stack
+(`model.decoder.layers.N.layer_scalar` and `model.encoder.language_model.layers.N.layer_scalar`), and
+the two copies may differ: transformers ties the stacks' weights, not these buffers. Vision-tower
+weights sit under `model.encoder.`.
+
+Every key of a checkpoint is accounted for (`plan_load`): each is read into the model, or skipped or
+refused with a message that names it. Loading builds the model on the meta device and fills it shard
+by shard from memory-mapped files, closing each shard before opening the next, so a checkpoint never
+needs two copies in RAM and a quantised load peaks near the quantised size plus one shard.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,12 +29,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
+from dgemma.model.network import DiffusionGemma
+from dgemma.model.quant import load_dense_into, swap_modules
 
-PREFIX = "model.decoder."
-ENCODER_PREFIX = "model.encoder.language_model."
-SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+DECODER = "model.decoder."
+ENCODER = "model.encoder.language_model."
+MULTIMODAL = "model.encoder."  # vision_tower.*, embed_vision.*
+VISION_PREFIXES = ("vision_tower.", "embed_vision.")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "processor_config.json", "preprocessor_config.json")
 
 
 class CheckpointError(Exception):
@@ -71,160 +84,257 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Map every stored tensor name to the file that holds it."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-        files = {}
-        for name, shard in weight_map.items():
-            shard_path = path / shard
-            if not shard_path.is_file():
-                raise CheckpointError(f"{shard_path}: shard listed in {INDEX_FILE} is missing (holds {name})")
-            files[name] = shard_path
-        return files
-    single = path / SINGLE_FILE
-    if not single.is_file():
-        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-            raise CheckpointError(f"{path}: only pickle weights found; dgemma loads safetensors only")
-        raise CheckpointError(f"{single}: missing (and no {INDEX_FILE})")
-    try:
-        with safe_open(str(single), "pt") as f:
-            return {name: single for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from None
-
-
-def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
-    """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`."""
-    from dgemma.model.network import DiffusionGemma
-
-    path = Path(path)
+def model_config(path: Path) -> tuple[dict, ModelConfig]:
+    """config.json of a model folder, raw and as our `ModelConfig`."""
     cfg = read_config(path)
     try:
-        config = ModelConfig.from_hf_dict(cfg)
+        return cfg, ModelConfig.from_hf_dict(cfg)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+# -- names --------------------------------------------------------------------------------------------
+def checkpoint_key(name: str) -> str:
+    """Our state-dict name -> the key transformers stores that tensor under."""
+    if name.endswith("encoder_layer_scalar"):
+        return ENCODER + name.removesuffix("encoder_layer_scalar") + "layer_scalar"
+    if name.startswith(VISION_PREFIXES):
+        return MULTIMODAL + name
+    return DECODER + name
+
+
+# -- what a folder holds (headers only) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    dtype: str  # safetensors' name: "BF16", "F32", ...
+    shape: tuple[int, ...]
+
+
+def read_headers(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a checkpoint folder from the safetensors headers alone (no weights are read).
+
+    Checks what a load would trip over later: the index names shards that exist, every shard's header
+    parses and covers the file exactly (a truncated shard fails here), every key of the index is in the
+    shard the index names, and no shard holds a key the index does not list.
+    """
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: malformed index (no weight_map of key -> file)")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, shard in weight_map.items():
+            by_file[shard].append(name)
+        files = sorted(by_file)
+    else:
+        single = path / SINGLE_FILE
+        if not single.is_file():
+            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+                raise CheckpointError(f"{path}: only pickle weights found; dgemma loads safetensors only")
+            raise CheckpointError(f"{single}: missing (and no {INDEX_FILE})")
+        by_file, files = None, [SINGLE_FILE]
+
+    tensors: dict[str, StoredTensor] = {}
+    for shard in files:
+        file = path / shard
+        if not file.is_file():
+            first = by_file[shard][0]
+            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} is missing (holds {first})")
+        try:
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    tensors[name] = StoredTensor(file, piece.get_dtype(), tuple(piece.get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+        if by_file is not None:
+            in_header = {n for n, t in tensors.items() if t.file == file}
+            listed = set(by_file[shard])
+            if listed - in_header:
+                raise CheckpointError(f"{index}: lists {sorted(listed - in_header)[0]} in {shard}, which does not hold it")
+            if in_header - listed:
+                raise CheckpointError(f"{file}: holds {sorted(in_header - listed)[0]}, which {INDEX_FILE} does not list")
+    return tensors
+
+
+# -- what to do with each key -----------------------------------------------------------------------
+@dataclass
+class LoadPlan:
+    """sources: our state-dict name -> checkpoint key it is read from; report: every checkpoint key ->
+    "read" or "skipped: <why>"."""
+
+    sources: dict[str, str]
+    report: dict[str, str]
+
+    def skipped(self) -> dict[str, list[str]]:
+        """reason -> keys, for the notes printed while loading."""
+        out: dict[str, list[str]] = defaultdict(list)
+        for key, decision in self.report.items():
+            if decision.startswith("skipped: "):
+                out[decision.removeprefix("skipped: ")].append(key)
+        return out
+
+
+def plan_load(stored: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]], hf_config: dict,
+              where: Path) -> LoadPlan:
+    """Decide, for every stored key, whether it is read (and into which of our `expected` names, with
+    shapes checked), skipped or refused. Raises CheckpointError naming the first key that cannot be
+    used and the first tensor the model needs that is missing."""
+    sources: dict[str, str] = {}
+    for name, shape in expected.items():
+        key = checkpoint_key(name)
+        if key not in stored and key.startswith(DECODER) and ENCODER + name in stored:
+            key = ENCODER + name  # a checkpoint that kept only the encoder copy of the shared weights
+        if key not in stored:
+            raise CheckpointError(f"{where}: tensor {key} is missing from the checkpoint")
+        if stored[key].shape != tuple(shape):
+            raise CheckpointError(
+                f"{stored[key].file}: {key} has shape {stored[key].shape}, the config implies {tuple(shape)}")
+        sources[name] = key
+
+    report = {key: "read" for key in sources.values()}
+    has_vision = any(name.startswith(VISION_PREFIXES) for name in expected)
+    tied = hf_config.get("tie_word_embeddings", hf_config.get("text_config", {}).get("tie_word_embeddings", True))
+    unknown = []
+    for key in stored:
+        if key in report:
+            continue
+        if key.startswith(ENCODER) and DECODER + key.removeprefix(ENCODER) in report:
+            report[key] = "skipped: the encoder's copy of a weight tied to the decoder's (read once)"
+        elif key.startswith(DECODER) and ENCODER + key.removeprefix(DECODER) in report:
+            report[key] = "skipped: the decoder's copy of a weight tied to the encoder's (read once)"
+        elif key == "lm_head.weight" and tied:
+            report[key] = "skipped: the LM head is tied to the embedding (tie_word_embeddings)"
+        elif key.startswith(tuple(MULTIMODAL + p for p in VISION_PREFIXES)) and not has_vision:
+            report[key] = "skipped: vision-tower weights (this model is loaded for text only)"
+        else:
+            unknown.append(key)
+    if unknown:
+        more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+        hint = " (an untied LM head is not supported)" if "lm_head.weight" in unknown else ""
+        raise CheckpointError(f"{stored[unknown[0]].file}: {unknown[0]}{more}: not part of a DiffusionGemma "
+                              f"checkpoint dgemma knows{hint}")
+    return LoadPlan(sources, report)
+
+
+def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], LoadPlan]:
+    """Everything `load_model` checks before it reads a weight: config, shard headers, every key's fate."""
+    path = Path(path)
+    cfg, config = model_config(path)
+    stored = read_headers(path)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return config, stored, plan_load(stored, expected, cfg, path)
+
+
+# -- loading --------------------------------------------------------------------------------------------
+def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
+    """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`. `model.load_report` keeps every
+    checkpoint key's fate ("read" / "skipped: why")."""
+    path = Path(path)
+    cfg, config = model_config(path)
     gen_file = path / "generation_config.json"
     gen = read_json(gen_file) if gen_file.is_file() else {}
     eos = cfg.get("text_config", cfg).get("eos_token_id", config.eos_token_id)
-    sampling = SamplingConfig.from_hf_dict(
-        {"eos_token_id": eos, "pad_token_id": config.pad_token_id, **gen}
-    )
+    sampling = SamplingConfig.from_hf_dict({"eos_token_id": eos, "pad_token_id": config.pad_token_id, **gen})
 
-    files = _weight_files(path)
+    stored = read_headers(path)
     with torch.device("meta"):
         model = DiffusionGemma(config, sampling)
     model.hf_config, model.hf_generation_config = cfg, gen
     model.source_dir = path
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    plan = plan_load(stored, expected, cfg, path)
+    for reason, keys in plan.skipped().items():
+        if not reason.startswith("the encoder's copy"):  # transformers' own saves never hold those
+            print(f"note: {len(keys)} tensor(s) skipped ({keys[0]}{', ...' if len(keys) > 1 else ''}): {reason}",
+                  file=sys.stderr)
 
-    if any(name.startswith(SKIPPED_PREFIXES[:2]) for name in files):
-        print("note: vision-tower weights in the checkpoint are skipped (dgemma runs the text path)", file=sys.stderr)
-
-    expected = dict(model.state_dict())  # meta tensors: names and shapes
-    takers = {}
-    if quantize:
-        from dgemma.model.quant import feed_dense, swap_modules
-
-        takers = swap_modules(model, quantize)  # quantised twins, filled as their tensors are read
-    handles: dict[Path, object] = {}
+    quantised = swap_modules(model, quantize) if quantize else {}  # filled as their tensors are read
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, key in plan.sources.items():
+        by_file[stored[key].file].append(name)
     loaded: dict[str, torch.Tensor] = {}
-    try:
-        for name, meta in expected.items():
-            stored = PREFIX + name
-            if stored not in files and ENCODER_PREFIX + name in files:
-                stored = ENCODER_PREFIX + name  # checkpoints that kept only the encoder copy
-            if stored not in files:
-                raise CheckpointError(f"{path}: tensor {stored} is missing from the checkpoint")
-            file = files[stored]
-            if file not in handles:
-                try:
-                    handles[file] = safe_open(str(file), "pt", device="cpu")
-                except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-            try:
-                tensor = handles[file].get_tensor(stored)
-            except (SafetensorError, OSError, RuntimeError) as e:
-                raise CheckpointError(f"{file}: cannot read {stored} ({e})") from None
-            if tuple(tensor.shape) != tuple(meta.shape):
-                raise CheckpointError(
-                    f"{file}: {stored} has shape {tuple(tensor.shape)}, the config implies {tuple(meta.shape)}"
-                )
-            tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-            if name in takers:
-                feed_dense(takers[name], name, tensor)
-            else:
-                loaded[name] = tensor
-            del tensor
-    finally:
-        handles.clear()
+    for file, names in by_file.items():  # one shard open at a time: its pages leave RSS when it closes
+        try:
+            with safe_open(str(file), "pt", device="cpu") as f:
+                for name in names:
+                    key = plan.sources[name]
+                    try:
+                        tensor = f.get_tensor(key)
+                    except (SafetensorError, OSError, RuntimeError) as e:
+                        raise CheckpointError(f"{file}: cannot read {key} ({e})") from None
+                    tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                    if name in quantised:
+                        load_dense_into(quantised[name], name, tensor)
+                    else:
+                        loaded[name] = tensor
+                    del tensor
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
     missing, unexpected = model.load_state_dict(loaded, assign=True, strict=False)
     left = [k for k in missing if not k.endswith(("qweight", "scales", "_q"))]
     if left or unexpected:
         raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
     del loaded
     model.quantization = quantize
+    model.load_report = plan.report
     return model.eval()
 
 
-def _state_for_saving(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().contiguous().cpu()
-        out[PREFIX + name] = t
-        if name.endswith("layer_scalar"):  # transformers stores this buffer for the encoder too
-            out[ENCODER_PREFIX + name] = t.clone()
-    return out
-
-
+# -- saving ---------------------------------------------------------------------------------------------
 def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
-    if getattr(model, "quantization", None):
-        raise ValueError("a quantised model cannot be saved in the checkpoint format; save the original")
-    """Write config.json, generation_config.json and safetensors weights (sharded above max_shard_bytes).
+    """Write config.json, generation_config.json and safetensors weights (sharded above max_shard_bytes),
+    plus the tokenizer and processor files of the folder the model was loaded from.
 
     Written into a temporary folder beside `out_dir`, then renamed into place: a crash never leaves a
     half-written checkpoint, and an existing `out_dir` is replaced only once the new one is complete.
     """
+    if getattr(model, "quantization", None):
+        raise ValueError("a quantised model cannot be saved in the checkpoint format; save the original")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        state = _state_for_saving(model)
+        state = {checkpoint_key(name): t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         config = model.config.to_hf_dict(model.hf_config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = dict(model.hf_generation_config or {})
         gen.update(model.sampling_config.to_hf_dict())
         gen.setdefault("bos_token_id", model.config.bos_token_id)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-        metadata = {"format": "pt"}
-        if max_shard_bytes is None:
-            save_file(state, str(tmp / SINGLE_FILE), metadata=metadata)
-        else:
-            shards: list[dict[str, torch.Tensor]] = [{}]
-            size = 0
-            for name, t in state.items():
-                nbytes = t.numel() * t.element_size()
-                if shards[-1] and size + nbytes > max_shard_bytes:
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = t
-                size += nbytes
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata=metadata)
-                weight_map.update({name: fname for name in shard})
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        for extra in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-            src = getattr(model, "source_dir", None)
+        _write_weights(state, tmp, max_shard_bytes)
+        src = getattr(model, "source_dir", None)
+        for extra in TOKENIZER_FILES:
             if src and (Path(src) / extra).is_file():
                 shutil.copy2(Path(src) / extra, tmp / extra)
         move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None):
+    metadata = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(state, str(folder / SINGLE_FILE), metadata=metadata)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata=metadata)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -11,7 +11,6 @@ Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V voca
 from __future__ import annotations
 
 import math
-import weakref
 from functools import partial
 
 import torch
@@ -27,56 +26,12 @@ from dgemma.model.attention import (
     rope_inv_freq,
     rope_tables,
 )
+from dgemma.model.experts import Experts, register_for_compile
+from dgemma.model.layers import GatedMLP, RMSNorm
 
 
 # The eager LM head writes its fp32 logits this many elements at a time (see `DiffusionGemma.head`).
 HEAD_CHUNK_ELEMENTS = 1 << 20
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) [* weight], computed in fp32. `with_scale=False` is the scale-free variant."""
-
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: one pass instead of the five elementwise ops of the textbook form
-        weight = self.weight.float() if self.weight is not None else None
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
-
-
-_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation. Inside a compiled graph it is written as x * sigmoid(2u), the same
-    function as 0.5 x (1 + tanh(u)) (to ~1e-6), because inductor's CPU sigmoid is ~2x faster than its
-    tanh; eagerly, torch's one fused kernel is faster than the five ops of that form."""
-    if torch.compiler.is_compiling():
-        x32 = x.float()
-        return (x32 * torch.sigmoid(_GELU_SCALE * (x32 + 0.044715 * x32 * x32 * x32))).to(x.dtype)
-    return F.gelu(x, approximate="tanh")
-
-
-def gated_gelu(gate_up: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """(..., 2I, ...) fused gate and up projections along `dim` -> gelu(gate) * up (..., I, ...)."""
-    gate, up = gate_up.chunk(2, dim=dim)
-    return gelu(gate) * up
-
-
-class GatedMLP(nn.Module):
-    """down(gelu(gate(x)) * up(x)): the dense MLP of every layer and of the self-conditioning block."""
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
@@ -150,159 +105,6 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[experts], experts
 
 
-class Experts(nn.Module):
-    """E gated MLPs stored fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
-
-    Each (token, choice) entry gets its rank among the entries of its expert (a running count, no
-    sort); with the per-expert counts that places it in any grouped layout. Then one of three ways:
-      grouped    -- on CUDA in bf16, torch's grouped GEMM over the tokens in expert order: no padding,
-                    no host sync;
-      batched    -- one batched matmul per projection over a grid padded to the busiest expert's C
-                    tokens, computed as W[e] @ grid[e].T (E, out, C): on a CPU, ~20% faster than
-                    grid @ W.T for these short grids, and ~2x faster than E small matmuls;
-      per expert -- one matmul per active expert: for a few tokens on a few experts (AR decoding), for
-                    routing so skewed that the padding costs more than the loop, and when weights must
-                    be dequantised expert by expert.
-    """
-
-    batched = True  # False in subclasses whose weights are not plain (E, out, in) tensors
-    grouped = True  # False in subclasses that add their own term in `project`
-    # Costs in grid rows, measured on CPU (16 experts 256 wide over hidden 256, 2 threads): the grid pays
-    # for every expert's weights (~16 rows each), the loop pays a matmul call, slices and an activation
-    # per active expert (~64 rows).
-    # A 64-token prefill: grid 0.56 ms, loop 1.5 ms; one AR token on 2 of 16 experts: 0.48 against 0.25.
-    grid_rows_per_expert, loop_rows_per_expert = 16, 64
-    grid_preference = 1.0  # the grid runs while its cost <= this * the loop's (0 forces the loop)
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I))
-
-    def expert_weights(self, e: int):
-        """(gate_up (2I, H), down (H, I)) for expert e; quantised subclasses dequantise here."""
-        return self.gate_up_proj[e], self.down_proj[e]
-
-    def project(self, name: str, columns: torch.Tensor) -> torch.Tensor:
-        """All experts at once: weight[e] @ columns[e], (E, in, C) -> (E, out, C); adapters add their term."""
-        return torch.bmm(getattr(self, name), columns)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H), weights/experts (N, k) -> (N, H): the routing-weighted sum of each token's k experts."""
-        if not torch.compiler.is_compiling():
-            outputs = self.route(x, experts)
-        elif self.batched and not x.is_cuda:
-            outputs = self._traced_grid(x, experts)
-        else:  # data-dependent shapes: one opaque op inside a compiled graph
-            outputs = routed_experts(self.op_key, x, experts)
-        return (outputs * weights.to(x.dtype)[..., None]).sum(dim=1)
-
-    def _ranks(self, experts: torch.Tensor):
-        """experts (N, k) -> per entry (token, choice): its expert (N*k,), its rank among that expert's
-        entries (N*k,), and the entries per expert (E,): a running count, no sort."""
-        flat_expert = experts.reshape(-1)
-        num_experts = self.gate_up_proj.shape[0]
-        seen = (flat_expert[:, None] == torch.arange(num_experts, device=experts.device)).cumsum(0)  # (N*k, E)
-        return flat_expert, seen.gather(1, flat_expert[:, None])[:, 0] - 1, seen[-1]
-
-    def _traced_grid(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The grid path as graph ops, for a compiled graph on CPU. The capacity is an unbacked size (known
-        only when the graph runs), so inductor fuses the grid's scatter, the activation and the gather
-        around the two batched matmuls: ~0.45 ms less per layer than the opaque op (16 experts 256 wide).
-        Always the grid, because choosing the loop needs the routing's values while tracing; the capacity is
-        rounded up to 8 rows (few distinct buffer sizes; `_round_up` needs the value's bit length, which a
-        traced size does not have)."""
-        N, k = experts.shape
-        flat_expert, rank, counts = self._ranks(experts)
-        busiest = counts.max().item()
-        torch._check(busiest >= 1)
-        capacity = (busiest + 7) // 8 * 8
-        return self._batched(x.repeat_interleave(k, dim=0), flat_expert, rank, capacity).view(N, k, -1)
-
-    def route(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H), experts (N, k) -> (N, k, H): expert experts[n, j] applied to token n."""
-        N, k = experts.shape
-        num_experts = self.gate_up_proj.shape[0]
-        flat_expert, rank, counts = self._ranks(experts)
-        entries = x.repeat_interleave(k, dim=0)  # (N*k, H) the token of every entry
-        if self.batched and self.grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            out = self._in_expert_order(self._grouped, entries, flat_expert, rank, counts, counts)  # no host sync
-        else:
-            busiest, active = int(counts.max()), int(counts.count_nonzero())
-            grid_cost = num_experts * (busiest + self.grid_rows_per_expert)
-            if self.batched and grid_cost <= self.grid_preference * (N * k + active * self.loop_rows_per_expert):
-                out = self._batched(entries, flat_expert, rank, _round_up(busiest))
-            else:
-                out = self._in_expert_order(self._per_expert, entries, flat_expert, rank, counts, counts.tolist())
-        return out.view(N, k, -1)
-
-    @staticmethod
-    def _in_expert_order(run, entries, flat_expert, rank, counts, *args):
-        """Run `run(sorted_entries, *args)` on the entries laid out expert by expert, and return its rows
-        in entry order again."""
-        row = (counts.cumsum(0) - counts)[flat_expert] + rank  # (N*k,) row of each entry when sorted
-        ordered = torch.empty_like(entries).index_copy_(0, row, entries)
-        return run(ordered, *args)[row]
-
-    def _grouped(self, grouped_x, counts) -> torch.Tensor:
-        """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H); offsets stay on the device."""
-        ends = counts.cumsum(0).to(torch.int32)
-        hidden = gated_gelu(torch._grouped_mm(grouped_x, self.gate_up_proj.transpose(1, 2), offs=ends))
-        return torch._grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
-
-    def _batched(self, entries, flat_expert, rank, capacity: int) -> torch.Tensor:
-        """entries (N*k, H) -> expert outputs (N*k, H), via a grid of `capacity` columns per expert."""
-        E, H = self.gate_up_proj.shape[0], entries.shape[-1]
-        slot = rank + flat_expert * capacity  # (N*k,) cell of each entry in the (E * C, H) grid
-        grid = entries.new_zeros(E * capacity, H).index_copy(0, slot, entries)  # zero rows stay zero
-        columns = grid.view(E, capacity, H).transpose(1, 2)  # (E, H, C)
-        hidden = gated_gelu(self.project("gate_up_proj", columns), dim=1)  # (E, I, C)
-        out = self.project("down_proj", hidden)  # (E, H, C)
-        return out.transpose(1, 2)[flat_expert, rank]
-
-    def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
-        sorted_out = torch.empty_like(grouped_x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            gate_up, down = self.expert_weights(e)
-            sorted_out[start : start + n] = F.linear(gated_gelu(F.linear(grouped_x[start : start + n], gate_up)), down)
-            start += n
-        return sorted_out
-
-
-# Under torch.compile the routed experts run as one custom op: the grouping's shapes depend on the
-# routing, which would otherwise break the graph (or recompile) at every layer. The op finds its
-# module through this registry, so quantised and LoRA experts keep their own `route`.
-_EXPERTS: "weakref.WeakValueDictionary[int, Experts]" = weakref.WeakValueDictionary()
-
-
-def register_for_compile(module: Experts):
-    """Give the module the key the custom op finds it by (done before tracing: dynamo cannot trace it)."""
-    _EXPERTS[id(module)] = module
-    module.op_key = id(module)
-
-
-@torch.library.custom_op("dgemma::routed_experts", mutates_args=())
-def routed_experts(key: int, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    return _EXPERTS[key].route(x, experts)
-
-
-@routed_experts.register_fake
-def _(key, x, experts):
-    return x.new_empty(x.shape[0], experts.shape[1], x.shape[1])
-
-
-def _round_up(n: int) -> int:
-    """n rounded up to a multiple of a power of two no larger than n / 8 (at most 12.5% more from 64 on,
-    8-row steps below): a few grid shapes instead of one per routing outcome, which keeps the CPU
-    allocator from fragmenting (measured: a training process grew from 4 to 9 GB with exact sizes)."""
-    unit = max(8, 1 << max(0, n.bit_length() - 4))
-    return -(-n // unit) * unit
-
-
 class Block(nn.Module):
     """attention, then a dense MLP in parallel with routed experts; each with its own norms."""
 
@@ -320,26 +122,30 @@ class Block(nn.Module):
         self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
         self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
-        self.register_buffer("layer_scalar", torch.ones(1))
+        # The block's output scale. The checkpoint stores it twice, once per stack, and transformers ties
+        # every weight of the two stacks but not these buffers: each stack scales by its own copy.
+        self.register_buffer("layer_scalar", torch.ones(1))  # decoder
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, H) residual stream -> (B, T, H) residual stream."""
+        """x (B, T, H) residual stream -> (B, T, H) residual stream, before the layer scalar."""
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.router(flat)  # routed on the raw residual, not the normed input
         routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).view_as(x)
         routed = self.post_feedforward_layernorm_2(routed)
-        return (x + self.post_feedforward_layernorm(dense + routed)) * self.layer_scalar
+        return x + self.post_feedforward_layernorm(dense + routed)
 
-    def forward(self, x, rope, key_rope, mask, entries_with):
+    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool):
         """rope: cos, sin (B, T, 1, D) of the new tokens; key_rope: the same for every key (full layers).
-        `entries_with(k, v)` places this block's own cache entries among the cached ones (the encoder:
+        `place_entries(k, v)` puts this block's own cache entries among the cached ones (the encoder:
         after the prefix; the decoder: the canvas before it) in the order `mask` and `key_rope` expect.
         Returns the new residual and this block's own entries k, v (v None on full layers)."""
         q, k, v = self.self_attn.project(self.input_layernorm(x), *rope)
-        keys, values = self.self_attn.keys_values(*entries_with(k, v), key_rope)
+        keys, values = self.self_attn.keys_values(*place_entries(k, v), key_rope)
         x = x + self.post_attention_layernorm(self.self_attn.attend(q, keys, values, mask))
-        return self.feed_forward(x), k, v
+        scalar = self.encoder_layer_scalar if encoder else self.layer_scalar
+        return self.feed_forward(x) * scalar, k, v
 
 
 def _after_prefix(old_k: torch.Tensor, old_v: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None):
@@ -407,6 +213,7 @@ class DiffusionGemma(nn.Module):
                 p.fill_(1.0)
         for block in self.layers:
             block.layer_scalar.fill_(1.0)
+            block.encoder_layer_scalar.fill_(1.0)
 
     @property
     def device(self) -> torch.device:
@@ -453,8 +260,7 @@ class DiffusionGemma(nn.Module):
         over (B, L, V) logits that is a visible share of a denoising step. (Out of place when autograd
         needs the intermediate values.) Eagerly and without autograd, the projection is written into
         the fp32 buffer a chunk of positions at a time, so that its model-dtype output is a chunk, not
-        half a (B, L, V) fp32 buffer more beside the logits (bench-20m, batch 4: 16 MB of bf16 at that
-        moment); a compiled graph plans that memory itself.
+        half a (B, L, V) fp32 buffer more beside the logits; a compiled graph plans that memory itself.
         """
         normed = self.norm(hidden)
         weight, cap = self.embed_tokens.weight, self.config.final_logit_softcapping
@@ -528,7 +334,8 @@ class DiffusionGemma(nn.Module):
         entries = []
         for block, (old_k, old_v) in zip(self.layers, prefixes):
             s = block.self_attn.sliding
-            x, k, v = block(x, rope[s], key_rope[s], masks[s], partial(_after_prefix, old_k, old_v))
+            x, k, v = block(x, rope[s], key_rope[s], masks[s], partial(_after_prefix, old_k, old_v),
+                            encoder=True)
             entries.append((k, v))
         return x, entries
 
@@ -562,7 +369,7 @@ class DiffusionGemma(nn.Module):
         """
         B, L = canvas_ids.shape
         if prefix_length is None:  # generation: the same tables for every step of a canvas
-            rope, key_rope, masks = cache.memoized(
+            rope, key_rope, masks = cache.tables_for_positions(
                 ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows))
         else:
             rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
@@ -586,7 +393,8 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(cache.decoder_keys, i, s, rows))
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(cache.decoder_keys, i, s, rows),
+                            encoder=False)
         return x if return_hidden else self.head(x)
 
     def decode_canvas(self, canvas_ids, soft, buffers, rope, key_rope, masks, return_hidden: bool = False):
@@ -599,26 +407,23 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas_ids), soft)  # (B, L, H)
         for block, (keys, values) in zip(self.layers, buffers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values))
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
 
     def compile_decoder(self, mode: str | None = "max-autotune-no-cudagraphs", cpp_wrapper: bool | None = None):
         """Compile `decode_canvas` with torch.compile (inductor), and the encoder's layers (`encode_tokens`)
-        for passes without gradients: prompts, committed canvases and autoregressive tokens (bench-20m's
-        earlier, 32.6M-parameter shape, a 64-token prompt: 24 ms eagerly, ~1.5 ms of every denoising step
-        of a one-canvas answer).
+        for passes without gradients: prompts, committed canvases and autoregressive tokens.
 
         Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix)
         shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
         (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op. The
-        default mode lets inductor time its own kernels against ATen's and keep the faster (the choices
-        follow timings, so on a noisy machine they vary between runs; bench-20m on 2 CPU cores: 36-42 ms
-        per step in `dgemma bench`). CUDA graphs are left out because the experts' grouping depends on the
-        routing.
+        default mode lets inductor time its own kernels against ATen's and keep the faster, so its choices
+        follow timings and can vary between runs on a noisy machine (step times: benchmarks/README.md).
+        CUDA graphs are left out because the experts' grouping depends on the routing.
 
-        `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels
-        and allocates their buffers in C++ instead of Python: ~2 ms of interpreter time per step on
-        bench-20m, against a slower first compile.
+        `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels and
+        allocates their buffers in C++ instead of Python: less interpreter time per step, against a slower
+        first compile.
         """
         for module in self.modules():
             if isinstance(module, Experts):
@@ -649,12 +454,6 @@ class DiffusionGemma(nn.Module):
         full_keys = torch.cat([positions, cache.cached_positions(False, rows)], dim=1)  # (B, L + S)
         key_rope = {False: rope_tables(full_keys, self.inv_freq(False), self.dtype), True: None}
         return self._rope(positions), key_rope, masks
-
-    # -- checkpoint ---------------------------------------------------------------------------
-    def save_pretrained(self, out_dir, *, max_shard_bytes: int | None = None):
-        from dgemma.model.checkpoint import save_pretrained
-
-        save_pretrained(self, out_dir, max_shard_bytes=max_shard_bytes)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dgemma.model.network import Experts
+from dgemma.model.experts import Experts
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
@@ -128,12 +128,12 @@ class QuantExperts(Experts):
 def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
     """Replace linears (router excepted) and fused experts with quantised twins.
 
-    Returns {original parameter name: the module that now takes that dense tensor}.
+    Returns {original parameter name: the quantised module that now takes that dense tensor}.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantisation {fmt!r}; choose from {', '.join(FORMATS)}")
     dtype = model.dtype
-    takers: dict[str, nn.Module] = {}
+    quantised: dict[str, nn.Module] = {}
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -141,28 +141,29 @@ def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
                 # (the router stays exact: a flipped top-k choice changes which experts run at all)
                 new = QuantLinear(child.in_features, child.out_features, fmt, dtype, device=child.weight.device)
                 setattr(parent, child_name, new)
-                takers[f"{full}.weight"] = new
+                quantised[f"{full}.weight"] = new
             elif isinstance(child, Experts) and not isinstance(child, QuantExperts):
                 new = QuantExperts(child, fmt, dtype)
                 setattr(parent, child_name, new)
-                takers[f"{full}.gate_up_proj"] = new
-                takers[f"{full}.down_proj"] = new
-    return takers
+                quantised[f"{full}.gate_up_proj"] = new
+                quantised[f"{full}.down_proj"] = new
+    return quantised
 
 
-def feed_dense(taker: nn.Module, name: str, tensor: torch.Tensor):
-    if isinstance(taker, QuantExperts):
-        taker.load_dense(name.rsplit(".", 1)[1], tensor)
+def load_dense_into(module: nn.Module, name: str, tensor: torch.Tensor):
+    """Quantise the dense tensor of parameter `name` into the module `swap_modules` put in its place."""
+    if isinstance(module, QuantExperts):
+        module.load_dense(name.rsplit(".", 1)[1], tensor)
     else:
-        taker.load_dense(tensor)
+        module.load_dense(tensor)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
     """Quantise an already loaded model in place (tests, and models built in memory)."""
     dense = {name: t for name, t in model.state_dict().items()}
-    for name, taker in swap_modules(model, fmt).items():
-        feed_dense(taker, name, dense[name])
+    for name, module in swap_modules(model, fmt).items():
+        load_dense_into(module, name, dense[name])
     return model
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma.config import ConfigError
-from dgemma.model.network import Experts
+from dgemma.model.experts import Experts
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dgemma.config import FULL, ConfigError, ModelConfig, SamplingConfig, get_preset
-from dgemma.model.checkpoint import read_json
+from dgemma.model.checkpoint import read_json, save_pretrained
 from dgemma.training.lora import apply_lora, merge_lora_state
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -128,6 +128,6 @@ def make_exporter(model, *, lora_scale: float | None, tokenizer_dir: str | None)
         plain.load_state_dict(state, assign=True, strict=True)
         plain.hf_config, plain.hf_generation_config = hf_config, hf_generation
         plain.source_dir = source  # tokenizer files are copied from here
-        plain.save_pretrained(folder)
+        save_pretrained(plain, folder)
 
     return export
