@@ -226,6 +226,6 @@ def gemma_tokenizer_model_dir(tmp_path_factory):
     model = dgemma.DiffusionGemma(config)
     model.sampling_config = model.sampling_config.replace(
         eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
-    model.save_pretrained(folder)  # (it empties the folder first)
+    dgemma.save_pretrained(model, folder)  # (it empties the folder first)
     write_gemma_tokenizer(folder)
     return folder
