@@ -201,11 +201,34 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
 
 # -- generation ---------------------------------------------------------------------------------------
 
+async def _constraint_for(state: ServerState, body):
+    """The request's response_format as a token automaton (None for plain text); a schema outside the
+    supported subset is a 400 that names the keyword."""
+    from dgemma.structured import ConstraintError, SchemaError
+
+    structured = body.structured
+    if structured is None:
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"response_format: a {state.codec.task} model writes its own answer format; "
+                          f"only {{\"type\": \"text\"}} applies", param="response_format")
+    kind, schema = structured
+    try:  # the first request with a schema builds its automaton: seconds on a large vocabulary
+        return await asyncio.to_thread(state.codec.constraint, kind, schema)
+    except SchemaError as e:
+        raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
+                          code="unsupported_schema") from None
+    except ConstraintError as e:
+        raise bad_request(f"response_format: {e}", param="response_format") from None
+
+
 async def _generate(state: ServerState, request: Request, body, prompt: list[int], max_tokens: int | None,
                     *, chat: bool):
     sampling = _sampling_for(state, body, prompt, max_tokens)
+    constraint = await _constraint_for(state, body)
     try:
-        stream = state.worker.submit(prompt, sampling, seed=body.seed, want_drafts=body.include_drafts)
+        stream = state.worker.submit(prompt, sampling, seed=body.seed, want_drafts=body.include_drafts,
+                                     constraint=constraint)
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(state.worker.retry_after())}) from None
