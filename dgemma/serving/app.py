@@ -115,7 +115,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         template_kwargs = body.template_kwargs()
         prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
-        constraint = _tool_constraint(state, body, template_kwargs)
+        constraint = await _tool_constraint(state, body, template_kwargs)
         return await _generate(state, request, body, prompt, body.token_limit, chat=True,
                                parse_tools=body.tool_mode != "none", constraint=constraint)
 
@@ -207,25 +207,47 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
         raise bad_request(str(e)) from None
 
 
-def _tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
+async def _tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
     """tool_choice "required" or a named function: the answer must be calls with valid arguments."""
     if body.tool_mode not in ("required", "named"):
         return None
     if state.codec.task != "text":
         raise bad_request(f"tool_choice: a {state.codec.task} model does not call tools", param="tool_choice")
     tools = [(f.name, f.parameters) for f in body.allowed_tools()]
-    try:
-        return calls_constraint(state.codec.tokenizer, state.codec.vocab_size, tools,
-                                several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
-                                thought=bool(template_kwargs.get("enable_thinking")))
+    try:  # built once per set of tools (cached), off the event loop: seconds on a large vocabulary
+        return await asyncio.to_thread(
+            calls_constraint, state.codec.tokenizer, state.codec.vocab_size, tools,
+            several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
+            thought=bool(template_kwargs.get("enable_thinking")))
     except SchemaError as e:
-        raise bad_request(f"tools: {e}", param="tools") from None
+        raise bad_request(f"tools: {e}", param="tools", code="unsupported_schema") from None
     except (VocabularyError, ConstraintError) as e:
         raise bad_request(f"tool_choice: this model cannot be constrained to Gemma 4's tool calls: {e}",
                           param="tool_choice") from None
 
 
 # -- generation ---------------------------------------------------------------------------------------
+
+async def _constraint_for(state: ServerState, body):
+    """The request's response_format as a token automaton (None for plain text); a schema outside the
+    supported subset is a 400 that names the keyword."""
+    from dgemma.structured import ConstraintError, SchemaError
+
+    structured = body.structured
+    if structured is None:
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"response_format: a {state.codec.task} model writes its own answer format; "
+                          f"only {{\"type\": \"text\"}} applies", param="response_format")
+    kind, schema = structured
+    try:  # the first request with a schema builds its automaton: seconds on a large vocabulary
+        return await asyncio.to_thread(state.codec.constraint, kind, schema)
+    except SchemaError as e:
+        raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
+                          code="unsupported_schema") from None
+    except ConstraintError as e:
+        raise bad_request(f"response_format: {e}", param="response_format") from None
+
 
 @dataclass
 class Choice:
@@ -240,7 +262,11 @@ class Choice:
 async def _generate(state: ServerState, request: Request, body, prompt: list[int], max_tokens: int | None,
                     *, chat: bool, parse_tools: bool = False, constraint=None):
     sampling = _sampling_for(state, body, prompt, max_tokens)
-    streams = _submit(state, body, prompt, sampling, constraint)
+    answer_format = await _constraint_for(state, body)
+    if answer_format is not None and constraint is not None:
+        raise bad_request("response_format: the answer cannot be both JSON and tool calls; "
+                          "send tool_choice \"auto\" or \"none\" with a response_format", param="response_format")
+    streams = _submit(state, body, prompt, sampling, constraint or answer_format)
     decode = state.codec.decode_chat if chat else state.codec.decode
     choices = [Choice(i, stream, TextAssembler(decode, body.stop or []), ChatOutput(parse_tools) if chat else None)
                for i, stream in enumerate(streams)]

@@ -6,6 +6,10 @@ OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties,
 accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs, echo,
 suffix, best_of) are rejected instead of silently ignored.
 
+response_format: {"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object),
+or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}} (the answer
+validates against the schema; the supported subset is in dgemma.structured.schema and docs/serving.md).
+
 Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   steps           int 1..1000     most denoising steps per canvas (the model's default otherwise)
   entropy_bound   float 0..1e6    accept positions until their summed entropy passes this
@@ -108,10 +112,34 @@ class _Generation(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return values
 
+    @field_validator("response_format", mode="after")
+    @classmethod
+    def _response_format(cls, value):
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("json_schema must be an object with a \"schema\" object: "
+                                 "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            if "strict" in spec and not isinstance(spec["strict"], bool):
+                raise ValueError("json_schema.strict must be true or false")
+        return value
+
+    @property
+    def structured(self) -> tuple[str, dict | None] | None:
+        """("json_schema", schema) / ("json_object", None) when the answer is constrained, else None.
+        A schema is enforced whether or not `strict` is set: a constrained answer is always valid."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_schema":
+            return kind, self.response_format["json_schema"]["schema"]
+        return (kind, None) if kind == "json_object" else None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a field set to something this server cannot do, else None."""
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "only {\"type\": \"text\"} is supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None

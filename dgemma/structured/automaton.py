@@ -169,14 +169,21 @@ def json_object_constraint(vocabulary: TokenVocabulary, *, whitespace: str = JSO
 def _build(regex: str, vocabulary: TokenVocabulary, description: str) -> TokenAutomaton:
     import outlines_core
 
-    eos = vocabulary.size  # no real token: outlines needs one, and its EOS loops are dropped below
-    tokens = vocabulary.outlines_tokens()
+    # The regex library also determinises the *unanchored* search (a match may start anywhere), and
+    # when a pattern's first character can recur inside it (a JSON string starting with '"' holds
+    # '\\"'), tracking every possible start costs states exponential in the pattern's length:
+    # '"(char){15,}"' took seconds, '{30,40}' longer than we waited. A leading \x01, which the
+    # JSON grammar never writes, ends every such overlap; a token of its own steps past it.
+    eos, anchor = vocabulary.size, vocabulary.size + 1  # no real tokens: dropped from the table below
+    tokens = {b: list(ids) for b, ids in vocabulary.outlines_tokens().items()}
     if not tokens:
         raise ConstraintError("the vocabulary has no token a constraint can use")
+    tokens.setdefault(b"\x01", []).append(anchor)
     try:
-        index = outlines_core.Index(regex, outlines_core.Vocabulary(eos, tokens))
+        index = outlines_core.Index(f"\\x01(?:{regex})", outlines_core.Vocabulary(eos, tokens))
     except ValueError as e:
         raise ConstraintError(f"cannot build the token automaton: {str(e).splitlines()[0]}") from None
+    start = index.get_next_state(index.get_initial_state(), anchor)
 
     # The table as flat arrays (src, tok, dst), with outlines' state ids made dense.
     srcs, toks, dsts = [], [], []
@@ -185,21 +192,22 @@ def _build(regex: str, vocabulary: TokenVocabulary, description: str) -> TokenAu
         dsts.append(np.fromiter(row.values(), dtype=np.int64, count=len(row)))
         srcs.append(np.full(len(row), state, dtype=np.int64))
     src, tok, dst = (np.concatenate(a) if a else np.empty(0, np.int64) for a in (srcs, toks, dsts))
-    keep = tok != eos
+    keep = tok < eos
     src, tok, dst = src[keep], tok[keep], dst[keep]
-    names = np.unique(np.concatenate([src, dst, [index.get_initial_state()], list(index.get_final_states())]))
+    names = np.unique(np.concatenate([src, dst, [start], list(index.get_final_states())]))
     src, dst = np.searchsorted(names, src), np.searchsorted(names, dst)
-    initial = int(np.searchsorted(names, index.get_initial_state()))
+    initial = int(np.searchsorted(names, start))
     final = np.zeros(len(names), dtype=bool)
     final[np.searchsorted(names, list(index.get_final_states()))] = True
 
-    distance = _distance_to_final(src, dst, final)
-    live = distance >= 0
+    # Keep the states on some path from the start to an accepting state, numbered densely.
+    distance = _distance(src, dst, final)  # tokens to the nearest accepting state
+    reachable = _distance(dst, src, np.arange(len(names)) == initial) >= 0  # edges reversed: from the start
+    live = (distance >= 0) & reachable
     if not live[initial]:
         raise ConstraintError("the vocabulary cannot write any string this constraint accepts")
     keep = live[src] & live[dst]
     src, tok, dst = src[keep], tok[keep], dst[keep]
-    # renumber the live states densely
     new_id = np.cumsum(live) - 1
     src, dst, initial = new_id[src], new_id[dst], int(new_id[initial])
     final, distance = final[live], distance[live]
@@ -218,19 +226,19 @@ def _build(regex: str, vocabulary: TokenVocabulary, description: str) -> TokenAu
     )
 
 
-def _distance_to_final(src: np.ndarray, dst: np.ndarray, final: np.ndarray) -> np.ndarray:
-    """Fewest transitions from each state to an accepting one (-1: none reachable), by backward BFS."""
-    num_states = len(final)
+def _distance(src: np.ndarray, dst: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Fewest transitions from each state to a target state along edges src -> dst (-1: none), by BFS
+    from the targets backwards. Called with the edges reversed, it gives the distance from a start."""
+    num_states = len(targets)
     pair_ids = np.unique(src * num_states + dst)
     pairs = np.stack([pair_ids // num_states, pair_ids % num_states], 1)
-    distance = np.where(final, 0, -1)
-    frontier = final.copy()
+    distance = np.where(targets, 0, -1)
+    frontier = targets.copy()
     step = 0
     while frontier.any():
         step += 1
         reached = np.zeros_like(frontier)
-        from_frontier = frontier[pairs[:, 1]]
-        reached[pairs[from_frontier, 0]] = True
+        reached[pairs[frontier[pairs[:, 1]], 0]] = True
         frontier = reached & (distance < 0)
         distance[frontier] = step
     return distance
