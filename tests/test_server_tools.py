@@ -4,9 +4,12 @@ Gemma's shape (conftest.py) and whose chat template writes Gemma 4's format (tes
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -223,3 +226,97 @@ def test_stop_strings_across_canvases_and_never_streamed_past(client, endpoint):
     assert text_of(cut) == expected and cut.finish_reason == "stop"
     pieces = deltas(run(stop=stop, stream=True))
     assert "".join(pieces) == expected
+
+
+# -- answers that call tools ----------------------------------------------------------------------------
+
+def _forced(text: str) -> dict:
+    """extra_body that makes the answer exactly `text`, whatever the weights: a regex matching it alone
+    (the marks spelled in ordinary tokens, which decode to the same text)."""
+    return {"structured_outputs": {"regex": re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)}}
+
+
+def _stream(client, **kwargs) -> dict:
+    """A streamed chat answer, gathered: content, reasoning, tool-call deltas, finish reason; no mark leaks."""
+    out = {"content": "", "reasoning": "", "calls": [], "finish": None}
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            out["content"] += delta.content or ""
+            out["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            out["calls"] += [c.model_dump() for c in delta.tool_calls or []]
+            out["finish"] = choice.finish_reason or out["finish"]
+    assert not re.search(r"<\|(channel|tool_call)>|<(channel|tool_call)\|>", out["content"] + out["reasoning"])
+    return out
+
+
+CALLS = f"Let me check. <|tool_call>call:get_weather{{city:{Q}Paris, FR{Q},days:2}}<tool_call|>\n" \
+        "<|tool_call>call:ping{}<tool_call|>"
+
+
+def test_calls_in_the_answer_become_tool_calls(client):
+    request = dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, PING], seed=0,
+                   max_tokens=160, extra_body=_forced(CALLS))
+    out = client.chat.completions.create(model=MODEL, **request)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris, FR", "days": 2}), ("function", "ping", {})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+    streamed = _stream(client, **request)
+    assert streamed["content"] == "Let me check." and streamed["finish"] == "tool_calls"
+    assert [c["index"] for c in streamed["calls"]] == [0, 1]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["calls"]] == [
+        (c.function.name, c.function.arguments) for c in calls]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in streamed["calls"])
+
+
+def test_calls_stay_text_without_parsing_and_when_malformed(client):
+    messages = [{"role": "user", "content": "Weather?"}]
+    kept = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, PING], tool_choice="none",
+                                          max_tokens=160, seed=0, extra_body=_forced(CALLS)).choices[0]
+    assert kept.message.content == CALLS and not kept.message.tool_calls and kept.finish_reason == "stop"
+    malformed = f"Sure <|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|> done"  # the string never closes
+    for tools in ([WEATHER], None):
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, seed=0,
+                                                extra_body=_forced(malformed), **({"tools": tools} if tools else {}))
+        assert answer.choices[0].message.content == malformed and not answer.choices[0].message.tool_calls
+
+
+def test_thoughts_are_reasoning_content_streamed_or_not(client):
+    thought = "<|channel>thought\nThe user greets me; be warm.<channel|>Hello there, friend!"
+    request = dict(messages=[{"role": "user", "content": "Hi"}], reasoning_effort="high", seed=0, max_tokens=96,
+                   extra_body=_forced(thought))
+    message = client.chat.completions.create(model=MODEL, **request).choices[0].message
+    assert message.content == "Hello there, friend!"
+    assert message.model_extra["reasoning_content"] == "The user greets me; be warm."
+    streamed = _stream(client, **request)
+    assert (streamed["reasoning"], streamed["content"]) == ("The user greets me; be warm.", "Hello there, friend!")
+
+
+@pytest.mark.parametrize("choice,thinking", [("required", False), ("required", True), ("get_weather", False)])
+def test_required_and_named_calls_are_valid_whatever_the_weights(client, choice, thinking):
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    request = dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, PING],
+                   tool_choice=tool_choice, max_tokens=96, reasoning_effort="medium" if thinking else "none",
+                   extra_body={"steps": 3})
+    allowed = {"get_weather": WEATHER["function"]["parameters"], "ping": {"maxProperties": 0}}
+    if choice != "required":
+        allowed = {choice: allowed[choice]}
+    thoughts = 0
+    for seed in (0, 100):  # sixteen answers
+        out = client.chat.completions.create(model=MODEL, n=8, seed=seed, **request)
+        for answer in out.choices:
+            assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+            calls = answer.message.tool_calls
+            assert calls and (len(calls) == 1 or choice == "required")
+            for call in calls:
+                jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
+            thoughts += bool((answer.message.model_extra or {}).get("reasoning_content"))
+    assert (thoughts > 0) == thinking  # a thought may come first only with thinking on
+    streamed = _stream(client, seed=7, **request)
+    alone = client.chat.completions.create(model=MODEL, seed=7, **request).choices[0].message
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["calls"]] == [
+        (c.function.name, c.function.arguments) for c in alone.tool_calls]

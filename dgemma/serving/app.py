@@ -246,7 +246,8 @@ async def _constraint_for(state: ServerState, body):
         raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
                           code="unsupported_schema") from None
     except ConstraintError as e:
-        raise bad_request(f"response_format: {e}", param="response_format") from None
+        field = "structured_outputs" if kind == "regex" else "response_format"
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 @dataclass
@@ -264,8 +265,8 @@ async def _generate(state: ServerState, request: Request, body, prompt: list[int
     sampling = _sampling_for(state, body, prompt, max_tokens)
     answer_format = await _constraint_for(state, body)
     if answer_format is not None and constraint is not None:
-        raise bad_request("response_format: the answer cannot be both JSON and tool calls; "
-                          "send tool_choice \"auto\" or \"none\" with a response_format", param="response_format")
+        raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
+                          "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
     streams = _submit(state, body, prompt, sampling, constraint or answer_format)
     decode = state.codec.decode_chat if chat else state.codec.decode
     choices = [Choice(i, stream, TextAssembler(decode, body.stop or []), ChatOutput(parse_tools) if chat else None)

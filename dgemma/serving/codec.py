@@ -93,16 +93,18 @@ class TextCodec(Codec):
     def decode_chat(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, keep=self.markup)
 
-    def constraint(self, kind: str, schema: dict | None = None):
-        """The token automaton for response_format `kind` ("json_object" or "json_schema" with `schema`).
-        Raises dgemma.structured.SchemaError / ConstraintError. Building can take seconds on a large
-        vocabulary (cached per schema): call it off the event loop."""
-        from dgemma.structured import TokenVocabulary, json_object_constraint, json_schema_constraint
+    def constraint(self, kind: str, spec: dict | str | None = None):
+        """The token automaton for `kind`: "json_object", "json_schema" (spec: the schema) or "regex" (spec:
+        the pattern). Raises dgemma.structured.SchemaError / ConstraintError. Building can take seconds on
+        a large vocabulary (cached per spec): call it off the event loop."""
+        from dgemma.structured import TokenVocabulary, json_object_constraint, json_schema_constraint, regex_constraint
 
         vocabulary = TokenVocabulary.from_tokenizer(self.tokenizer, size=self.vocab_size)
         if kind == "json_object":
             return json_object_constraint(vocabulary)
-        return json_schema_constraint(schema, vocabulary)
+        if kind == "regex":
+            return regex_constraint(spec, vocabulary)
+        return json_schema_constraint(spec, vocabulary)
 
     def _piece(self, token: int) -> str:
         # special tokens are shown too: a draft is a picture of the canvas, not the final text

@@ -17,6 +17,7 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   fixed_steps     bool            exactly `steps` per canvas, no early stop
   seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
   stream_options.include_drafts   bool: stream the argmax canvas after every denoising step
+  structured_outputs.regex        str: the answer matches this regex (outlines-core's syntax), as vLLM
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class _Generation(BaseModel):
     seed: Seed | None = None
     n: _strict(int, ge=1, le=MAX_CHOICES) | None = None  # choices: one prompt, seeds seed, seed+1, ...
     response_format: dict | None = None
+    structured_outputs: dict | None = None  # vLLM's {"regex": PATTERN}: the answer matches the pattern
     # the diffusion sampler
     steps: Steps | None = None
     entropy_bound: EntropyBound | None = None
@@ -129,10 +131,22 @@ class _Generation(BaseModel):
                 raise ValueError("json_schema.strict must be true or false")
         return value
 
+    @field_validator("structured_outputs", mode="after")
+    @classmethod
+    def _regex_only(cls, value):
+        if value is None:
+            return None
+        if set(value) != {"regex"} or not isinstance(value["regex"], str) or not value["regex"]:
+            raise ValueError("expected {\"regex\": PATTERN} (JSON answers: response_format)")
+        return value
+
     @property
-    def structured(self) -> tuple[str, dict | None] | None:
-        """("json_schema", schema) / ("json_object", None) when the answer is constrained, else None.
-        A schema is enforced whether or not `strict` is set: a constrained answer is always valid."""
+    def structured(self) -> tuple[str, dict | str | None] | None:
+        """("json_schema", schema) / ("json_object", None) / ("regex", pattern) when the answer is
+        constrained, else None. A schema is enforced whether or not `strict` is set: a constrained answer
+        is always valid."""
+        if self.structured_outputs is not None:
+            return "regex", self.structured_outputs["regex"]
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_schema":
             return kind, self.response_format["json_schema"]["schema"]
@@ -140,6 +154,8 @@ class _Generation(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a field set to something this server cannot do, else None."""
+        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+            return "structured_outputs", "a regex and a response_format cannot both shape the answer"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
