@@ -229,3 +229,16 @@ def gemma_tokenizer_model_dir(tmp_path_factory):
     dgemma.save_pretrained(model, folder)  # (it empties the folder first)
     write_gemma_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def gemma4_chat_model_dir(gemma_tokenizer_model_dir, tmp_path_factory):
+    """The Gemma-shaped model with a chat template that writes Gemma 4's format: turns, thinking, tool
+    declarations, calls and results (tests/data/gemma4_chat_template.jinja)."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("gemma4-chat") / "model"
+    shutil.copytree(gemma_tokenizer_model_dir, folder)
+    shutil.copy(Path(__file__).parent / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
+    return folder

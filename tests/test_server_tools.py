@@ -1,13 +1,11 @@
 """Tool calls, thinking, n choices and the other fields clients send, against a real `dgemma serve` on
 loopback through the official openai client. The model is a tiny random checkpoint whose tokenizer has
-Gemma's shape (conftest.py) and whose chat template writes Gemma 4's format (tests/data)."""
+Gemma's shape and whose chat template writes Gemma 4's format (conftest.py, tests/data)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -15,9 +13,8 @@ import pytest
 
 from dgemma.serving.protocol import ChatCompletionRequest, parse
 from dgemma.tokenizer import Tokenizer
-from tests.test_server import MODEL, ServerProcess
+from test_server import MODEL, ServerProcess
 
-TEMPLATE = Path(__file__).parent / "data" / "gemma4_chat_template.jinja"
 Q = '<|"|>'
 
 WEATHER = {"type": "function", "function": {
@@ -53,23 +50,15 @@ RENDERED = (
 
 
 @pytest.fixture(scope="module")
-def gemma4_dir(gemma_tokenizer_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma4-chat") / "model"
-    shutil.copytree(gemma_tokenizer_model_dir, folder)
-    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def client(gemma4_dir):
-    server = ServerProcess(gemma4_dir, "--max-batch", "8", "--max-queue", "16")
+def client(gemma4_chat_model_dir):
+    server = ServerProcess(gemma4_chat_model_dir, "--max-batch", "8", "--max-queue", "16")
     yield server.client()
     server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gemma4_dir):
-    return Tokenizer.from_folder(gemma4_dir)
+def tokenizer(gemma4_chat_model_dir):
+    return Tokenizer.from_folder(gemma4_chat_model_dir)
 
 
 def _prompt(tokenizer, body: dict) -> str:
