@@ -309,3 +309,25 @@ def test_required_and_named_calls_are_valid_whatever_the_weights(client, choice,
     alone = client.chat.completions.create(model=MODEL, seed=7, **request).choices[0].message
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["calls"]] == [
         (c.function.name, c.function.arguments) for c in alone.tool_calls]
+
+
+def test_tool_response_and_turn_end_ends_an_answer(client, tokenizer):
+    """After its calls Gemma 4 writes <|tool_response> and waits: the server stops there (and at <turn|>),
+    besides the model's own EOS. Drafts show each committed canvas; the text is what precedes the first end."""
+    ends = {tokenizer.token_to_id(t) for t in ("<eos>", "<turn|>", "<|tool_response>")}
+    stream = client.completions.create(model=MODEL, prompt="Weather?", n=16, seed=0, max_tokens=64, stream=True,
+                                       stream_options={"include_drafts": True}, extra_body={"steps": 2})
+    canvases, texts = [{} for _ in range(16)], [""] * 16
+    for chunk in stream:
+        for choice in chunk.choices:
+            draft = (choice.model_extra or {}).get("dgemma_draft")
+            if draft is not None:
+                canvases[choice.index][draft["canvas"]] = draft["tokens"]  # the last one is the committed canvas
+            texts[choice.index] += choice.text or ""
+    enders = []
+    for tokens_by_canvas, text in zip(canvases, texts):
+        tokens = [t for k in sorted(tokens_by_canvas) for t in tokens_by_canvas[k]][:64]
+        cut = next((i for i, t in enumerate(tokens) if t in ends), len(tokens))
+        assert text == tokenizer.decode(tokens[:cut])
+        enders.append(tokens[cut] if cut < len(tokens) else None)
+    assert tokenizer.token_to_id("<|tool_response>") in enders  # seen at least once with these seeds

@@ -25,7 +25,7 @@ class AnswerPrinter:
         from dgemma.serving.codec import TextAssembler
 
         self.console = console
-        self.assembler = TextAssembler(codec.decode_chat, stop=[])
+        self.assembler = TextAssembler(codec.decode_chat, [], codec.unsettled)
         self.output = ChatOutput(parse_tools=False)
         self.last = None  # the kind of the last part shown
 

@@ -269,8 +269,8 @@ async def _generate(state: ServerState, request: Request, body, prompt: list[int
                           "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
     streams = _submit(state, body, prompt, sampling, constraint or answer_format)
     decode = state.codec.decode_chat if chat else state.codec.decode
-    choices = [Choice(i, stream, TextAssembler(decode, body.stop or []), ChatOutput(parse_tools) if chat else None)
-               for i, stream in enumerate(streams)]
+    choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
+                      ChatOutput(parse_tools) if chat else None) for i, stream in enumerate(streams)]
     writer = ChunkWriter(chat, state.model_name)
     if body.stream:
         cancel = BackgroundTask(_cancel_all, state.worker, streams)  # runs when the response ends or the client leaves

@@ -60,6 +60,10 @@ class Codec:
         """A chat answer's text, with the marks its parser reads (chat_output.py)."""
         return self.decode(tokens)
 
+    def unsettled(self, tokens: list[int]) -> int:
+        """How many of the last tokens may still decode differently once more tokens follow."""
+        return 0
+
 
 class TextCodec(Codec):
     task = "text"
@@ -68,9 +72,17 @@ class TextCodec(Codec):
         super().__init__(vocab_size)
         self.tokenizer = tokenizer
         self.markup = self._known(chat_output.MARKS)
+        self.byte_ids = self._known(f"<0x{b:02X}>" for b in range(256))
         self.answer_ends = self._known(chat_output.ANSWER_ENDS)
         # one decode per distinct id, not per draft position per step; bounded like the vocabulary
         self.piece = functools.lru_cache(maxsize=1 << 16)(self._piece)
+
+    def unsettled(self, tokens: list[int]) -> int:
+        """How many of the last tokens are byte-fallback tokens (`<0xNN>`): their text may still change."""
+        n = 0
+        while n < len(tokens) and tokens[-1 - n] in self.byte_ids:
+            n += 1
+        return n
 
     def _known(self, tokens) -> frozenset[int]:
         """The ids of those of `tokens` the vocabulary has as single tokens."""
@@ -164,12 +176,16 @@ class TextAssembler:
 
     Text is decoded from all tokens so far (a token's text may depend on its neighbours) and only the
     part past what was already sent goes out. Held back until the next canvas: a trailing U+FFFD (a
-    character split across canvases) and a tail that could be the start of a stop string.
+    character split across canvases), a tail that could be the start of a stop string, and the text of
+    the last `unsettled(tokens)` tokens (byte-fallback tokens decode as one run: a byte that follows can
+    turn a run's "é" into three U+FFFD, so a run's text is final only once another token ends it).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str],
+                 unsettled: Callable[[list[int]], int] = lambda tokens: 0):
         self.decode = decode
         self.stop = stop
+        self.unsettled = unsettled
         self.tokens: list[int] = []
         self.sent = 0  # characters of the decoded text already sent
         self.stopped = False  # a stop string was found; the text ends before it
@@ -183,6 +199,9 @@ class TextAssembler:
             self.stopped = True
             return self._advance(text[: min(hits)])
         end = len(text) - self._stop_prefix_length(text)
+        held = self.unsettled(self.tokens)
+        if held:
+            end = min(end, len(self.decode(self.tokens[:-held])))
         while end > self.sent and text[end - 1] == "\ufffd":
             end -= 1
         return self._advance(text[:end])
