@@ -88,6 +88,7 @@ def generate(
     on_canvas: OnCanvas | None = None,
     on_draft: OnDraft | None = None,
     constraint=None,
+    guide_steps: bool = True,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -97,6 +98,8 @@ def generate(
     device and batch -> same tokens. `sampling.fixed_steps` runs exactly max_denoising_steps per canvas.
     `constraint`: a dgemma.structured.TokenAutomaton for every row, or a list with one (or None) per
     row; a constrained row's answer is in the automaton's language (or cut: finish reason "length").
+    guide_steps=False constrains only the committed canvases, not the accepted samples of each step
+    (for measuring what the per-step guidance does; the engine always guides).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -122,7 +125,7 @@ def generate(
     pad_id = sampling.pad_token_id
     eos_ids = torch.tensor(sampling.eos_token_ids, dtype=torch.long, device=device)
     template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
-    answers = _constrained_answers(constraint, batch_size, sampling, template)
+    answers = _constrained_answers(constraint, batch_size, sampling, template, guide_steps)
 
     if seed is None:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -262,7 +265,7 @@ def denoise_canvas(
     return argmax, steps
 
 
-def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template) -> list | None:
+def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template, guide_steps: bool):
     if constraint is None:
         return None
     from dgemma.structured.answer import ConstrainedAnswer
@@ -272,8 +275,8 @@ def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, 
         raise ValueError(f"{len(automata)} constraints for {batch_size} prompts")
     if template is not None and any(a is not None for a in automata):
         raise ValueError("a canvas template and a constraint cannot be combined")
-    return [None if a is None else ConstrainedAnswer(a, sampling.eos_token_ids, sampling.pad_token_id)
-            for a in automata]
+    return [None if a is None else ConstrainedAnswer(a, sampling.eos_token_ids, sampling.pad_token_id,
+                                                      guide_steps=guide_steps) for a in automata]
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
