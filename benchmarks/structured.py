@@ -126,7 +126,7 @@ def guidance_rows(seeds: int) -> list[dict]:
 
     import dgemma
     from conftest import write_gemma_tokenizer
-    from dgemma.generate import generate
+    from dgemma.generation import generate
     from dgemma.structured import TokenVocabulary, json_schema_constraint
     from dgemma.tokenizer import Tokenizer
 

@@ -31,7 +31,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.config import ConfigError, SamplingConfig
-from dgemma.serving.codec import PromptError, TextAssembler
+from dgemma.serving.codec import Codec, PromptError, TextAssembler
 from dgemma.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -51,7 +51,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 @dataclass
 class ServerState:
     worker: EngineWorker
-    codec: object  # codec.TextCodec | codec.SudokuCodec
+    codec: Codec  # TextCodec, or a task's own (dgemma.tasks.task_codec)
     model_name: str
     sampling: SamplingConfig  # the model's defaults; requests override fields of it
     canvas_length: int
@@ -326,8 +326,9 @@ def _draft_payload(codec, event) -> dict:
 def _stats(state: ServerState, stream: RequestStream, prompt: list[int], assembler: TextAssembler) -> dict:
     request = stream.request
     stats = {"seed": request.seed, **request.stats()}
-    if state.codec.task == "sudoku":
-        stats["sudoku"] = state.codec.check_answer(prompt, assembler.tokens)
+    verdict = state.codec.check_answer(prompt, assembler.tokens)
+    if verdict is not None:
+        stats[state.codec.task] = verdict
     return stats
 
 
