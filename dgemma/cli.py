@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dgemma.allocator import keep_freed_memory
+from dgemma.commands._common import UsageError
 
 COMMANDS = {
     "generate": "generate text with the block-diffusion sampler (or --ar for left-to-right)",
@@ -22,10 +22,6 @@ COMMANDS = {
     "sudoku": "solve and evaluate sudoku puzzles with the shipped model",
     "convert": "convert a Gemma 4 checkpoint into a DiffusionGemma checkpoint",
 }
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
 
 
 def _available() -> dict[str, object]:
@@ -67,6 +63,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 # Commands that generate: they free and reallocate (B, L, V)-sized buffers at every denoising step.
 GENERATING = {"generate", "chat", "serve", "bench", "sudoku"}
+
+
+def keep_freed_memory() -> bool:
+    """glibc keeps freed memory for reuse (see dgemma.engine.allocator); imported only when a generating
+    command runs, so that `dgemma --help` and the other commands start without loading torch."""
+    from dgemma.engine import allocator
+
+    return allocator.keep_freed_memory()
 
 
 def _resolve_model_names(args):

@@ -112,14 +112,6 @@ class ModelConfig:
             "active": active,
         }
 
-    def kv_values_per_token(self, k_eq_v_once: bool = True) -> int:
-        """Cached numbers per token over all layers (K and V; full layers store K = V once if asked)."""
-        n = 0
-        for i in range(self.num_layers):
-            per = self.layer_kv_heads(i) * self.layer_head_dim(i)
-            n += per if (not self.is_sliding(i) and k_eq_v_once) else 2 * per
-        return n
-
     # -- Hugging Face config.json -------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -366,9 +358,8 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=4096, canvas_length=16,
     ),
     # Benchmarks: 20.0M parameters (experts 12.6M; 8.6M active per token), vocab 8192, 8 layers, 16
-    # experts top-2, canvas 256. Until session 7 the experts were 256 wide, which made it 32.6M under
-    # this name; halving them made the name true and the expert width half the hidden size (the
-    # released model's is a quarter).
+    # experts top-2, canvas 256; the experts are half the hidden size wide (the released model's are a
+    # quarter).
     "bench-20m": ModelConfig(
         vocab_size=8192, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=4,
         num_kv_heads=2, head_dim=64, sliding_window=512, global_head_dim=128, num_global_kv_heads=1,

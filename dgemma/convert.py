@@ -464,8 +464,6 @@ def plan_conversion(
     Raises CheckpointError (one line, naming the file and setting or tensor) for anything that cannot
     be converted, or that could be converted only by dropping a part not named in `drop`.
     """
-    from dgemma.model.network import DiffusionGemma
-
     src = Path(src)
     drop = parse_drop(list(drop))
     if canvas_length < 1:
@@ -475,9 +473,43 @@ def plan_conversion(
     layout = _check_text_config(top, text_given, config_file)
     tensors = _source_tensors(src)
     text_prefix, outer = _find_prefixes(tensors, src)
-
     # Sort the stored tensors into parts before judging the config's droppable features, because a
     # checkpoint can carry a part (e.g. audio weights) its config does not mention.
+    parts = _sort_into_parts(tensors, text_prefix, outer)
+    _check_parts(src, tensors, parts, layout, drop)
+
+    try:
+        config = ModelConfig.from_hf_dict({"text_config": layout.dg_text, "canvas_length": canvas_length})
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
+    embed = tensors[text_prefix + "embed_tokens.weight"]
+    planned, used = _plan_network(src, config, tensors, text_prefix, layout, dtype, dtype or embed.dtype, seed)
+    plan = ConversionPlan(src, config, {}, {}, planned)
+    _account_for_leftovers(plan, tensors, parts, used, text_prefix, layout, drop)
+
+    keep_vision = bool(parts["vision"]) and "vision" not in drop
+    if keep_vision and not top.get("vision_config"):
+        raise CheckpointError(f"{config_file}: the checkpoint holds vision weights but no vision_config; "
+                              "pass --drop vision to convert the text model alone")
+    if keep_vision:
+        for name in sorted(parts["vision"]):
+            source = tensors[name]
+            out_name = "model.encoder." + name[len(outer):]
+            plan.tensors.append(PlannedTensor(out_name, source.shape, dtype or source.dtype, source=source))
+    for feature in ("per-layer-embeddings", "audio") + (() if keep_vision else ("vision",)):
+        if parts[feature]:
+            plan.dropped[feature] = len(parts[feature])
+    if layout.kv_producer:
+        plan.dropped["kv-sharing"] = 0  # no tensors: the shared layers get their producer's projections
+
+    plan.hf_config = _output_config(config, top, layout, keep_vision, dtype or embed.dtype)
+    plan.generation_config = _generation_config(src, config, layout)
+    plan.tokenizer_files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    return plan
+
+
+def _sort_into_parts(tensors: dict, text_prefix: str, outer: str) -> dict[str, list[str]]:
+    """Stored tensor names by the part of Gemma 4 they belong to ("unknown": none of them)."""
     vision_prefixes = (outer + "vision_tower.", outer + "embed_vision.")
     audio_prefixes = (outer + "audio_tower.", outer + "embed_audio.")
     parts: dict[str, list[str]] = {"text": [], "per-layer-embeddings": [], "vision": [], "audio": [],
@@ -495,6 +527,11 @@ def plan_conversion(
             parts["text"].append(name)
         else:
             parts["unknown"].append(name)
+    return parts
+
+
+def _check_parts(src: Path, tensors: dict, parts: dict[str, list[str]], layout, drop):
+    """Refuse a part DiffusionGemma has no place for unless `drop` names it, and any unknown tensor."""
     present = dict(layout.present)
     if parts["per-layer-embeddings"]:
         present.setdefault("per-layer-embeddings", f"{len(parts['per-layer-embeddings'])} per-layer-embedding tensors")
@@ -515,13 +552,13 @@ def plan_conversion(
             f"layout ({sample}); refusing rather than leaving them out silently"
         )
 
-    try:
-        config = ModelConfig.from_hf_dict({"text_config": layout.dg_text, "canvas_length": canvas_length})
-    except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{config_file}: {e}") from None
 
-    embed = tensors[text_prefix + "embed_tokens.weight"]
-    new_dtype = dtype or embed.dtype
+def _plan_network(src: Path, config: ModelConfig, tensors: dict, text_prefix: str, layout, dtype, new_dtype, seed: int
+                  ) -> tuple[list[PlannedTensor], set[str]]:
+    """Every tensor of the DiffusionGemma network: from its Gemma 4 source, or new (self-conditioning).
+    Returns the planned tensors and the source names used."""
+    from dgemma.model.network import DiffusionGemma
+
     with torch.device("meta"):
         expected = DiffusionGemma(config).state_dict()
     fresh = _new_self_conditioning(config, new_dtype, seed)
@@ -550,8 +587,13 @@ def plan_conversion(
         used.add(source_name)
         out_dtype = dtype or source.dtype
         planned.append(PlannedTensor(checkpoint_key(name), shape, out_dtype, source=source))
+    return planned, used
 
-    plan = ConversionPlan(src, config, {}, {}, planned)
+
+def _account_for_leftovers(plan: ConversionPlan, tensors: dict, parts: dict[str, list[str]], used: set[str],
+                           text_prefix: str, layout, drop):
+    """Text tensors the network did not take are either known to be unused (listed in plan.ignored) or
+    an error: nothing is left out silently."""
     leftovers = sorted(set(parts["text"]) - used)
     if leftovers and "kv-sharing" in drop and layout.kv_producer:
         # Some writers store K/V weights for KV-shared layers; Gemma 4 never uses them.
@@ -565,26 +607,6 @@ def plan_conversion(
         )
     if parts["lm_head"]:
         plan.ignored.append("lm_head.weight (tied to the embedding, as the config says)")
-
-    keep_vision = bool(parts["vision"]) and "vision" not in drop
-    if keep_vision and not top.get("vision_config"):
-        raise CheckpointError(f"{config_file}: the checkpoint holds vision weights but no vision_config; "
-                              "pass --drop vision to convert the text model alone")
-    if keep_vision:
-        for name in sorted(parts["vision"]):
-            source = tensors[name]
-            out_name = "model.encoder." + name[len(outer):]
-            plan.tensors.append(PlannedTensor(out_name, source.shape, dtype or source.dtype, source=source))
-    for feature in ("per-layer-embeddings", "audio") + (() if keep_vision else ("vision",)):
-        if parts[feature]:
-            plan.dropped[feature] = len(parts[feature])
-    if layout.kv_producer:
-        plan.dropped["kv-sharing"] = 0  # no tensors: the shared layers get their producer's projections
-
-    plan.hf_config = _output_config(config, top, layout, keep_vision, dtype or embed.dtype)
-    plan.generation_config = _generation_config(src, config, layout)
-    plan.tokenizer_files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
-    return plan
 
 
 def _is_shared_kv_weight(name: str, text_prefix: str, producers: dict[int, int]) -> bool:

@@ -4,7 +4,7 @@
 
 EVAL_DIR holds `dgemma sudoku eval` JSON lines named `<diffusion|ar|shipped>-<step>-<bucket>.json`
 (`shipped`: the shipped model with its own decoding, drawn as single stars). Prints a
-markdown table (Wilson 95% intervals) and draws the plot, with the issue's bars (easy 95%, medium 80%).
+markdown table (Wilson 95% intervals) and draws the plot, with the target bars (easy 95%, medium 80%).
 SECONDS_PER_STEP (wall-clock, measured on the 2-core training machine) adds each point's cost;
 STAGE2_START marks the step where the second training stage (per-step symmetry augmentation) began.
 """

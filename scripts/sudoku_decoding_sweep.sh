@@ -3,7 +3,7 @@
 # settings, on the validation puzzles only (never the test sets). Prints one markdown row per setting.
 #   scripts/sudoku_decoding_sweep.sh [MODEL]     (default: the checkpoint's own settings are row 1)
 # DATA (default runs/sudoku-data) must hold val_<bucket>.txt: dgemma sudoku prepare --validation 300.
-# LIMIT=N evaluates the first N puzzles of each file (a quick look; the README's table used all 300).
+# LIMIT=N evaluates the first N puzzles of each file (a quick look; the table in RESULTS.md used all 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-dgemma/assets/sudoku}

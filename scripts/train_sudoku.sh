@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The exact recipe behind the shipped sudoku model (dgemma/assets/sudoku) and its AR baseline.
+# The exact recipe behind the shipped sudoku model (dgemma/assets/sudoku) and its AR baseline
+# (dgemma/assets/sudoku-ar); scripts/ship_sudoku.sh copies them there and measures them.
 #
 #   stage 1  from scratch, seed 0: the 20,000 puzzles x 5 fixed symmetries of `dgemma sudoku prepare`,
 #            a 6,000-step cosine (peak 1e-3) stopped at step 4,750 (--until).
 #   stage 2  from stage 1's weights, seed 1: a fresh random symmetry of every example at every step
 #            (--augment sudoku), a new 3,500-step cosine (peak 4e-4, 100 warmup steps) stopped at step
-#            3,000 (UNTIL2; the session's time ran out; lr there is 6e-5 against the 4e-5 floor).
+#            3,000 (UNTIL2; lr there is 6e-5 against the 4e-5 floor).
 #
 # The AR baseline is stage 1 with OBJECTIVE=ar UNTIL=1500 STAGE=1: the same data in the same order for the
 # same number of steps as the diffusion model at step 1,500 (its checkpoint is the like-for-like comparison).

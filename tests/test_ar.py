@@ -1,4 +1,4 @@
-"""Left-to-right decoding (`dgemma.ar.generate_ar`): the cached, batched, left-padded loop gives exactly what
+"""Left-to-right decoding (`dgemma.generation.generate_ar`): the cached, batched, left-padded loop gives exactly what
 recomputing the whole sequence every step gives, stops each row at its first EOS, and samples
 reproducibly.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.ar import generate_ar
+from dgemma.generation import generate_ar
 
 # prompts shorter and longer than the tiny preset's sliding window (8): the ring buffer matters
 PROMPTS = [[2, 17, 5], [2] + list(range(30, 40)), [2] + [7, 99, 3, 64] * 5]

@@ -46,7 +46,7 @@ def test_compiled_bench_reports_both_engines():
 def test_systems_are_timed_turn_about():
     """Every round runs each system once, in an order that flips every round, and each system reports
     its fastest run and a memory peak taken per run."""
-    from dgemma import bench
+    from dgemma.commands import bench_timing as bench
 
     order = []
 
@@ -73,8 +73,8 @@ def test_memory_peaks_see_each_run_even_when_freed_memory_is_kept():
     show 64 MB over its starting point in every repeat, not only the first."""
     script = (
         "import torch\n"
-        "from dgemma import bench\n"
-        "from dgemma.allocator import keep_freed_memory\n"
+        "from dgemma.commands import bench_timing as bench\n"
+        "from dgemma.engine.allocator import keep_freed_memory\n"
         "assert keep_freed_memory()\n"
         "class Allocating(bench.Timed):\n"
         "    system = 'allocating'\n"

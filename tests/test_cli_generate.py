@@ -108,7 +108,7 @@ def test_generating_commands_keep_freed_memory_for_reuse():
     accounting (mallinfo2), which page reclaim on the host cannot disturb."""
     script = (
         "import ctypes, sys, torch\n"
-        "from dgemma.allocator import keep_freed_memory\n"
+        "from dgemma.engine.allocator import keep_freed_memory\n"
         "class Info(ctypes.Structure):\n"
         "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ordblks smblks hblks hblkhd usmblks fsmblks"
         " uordblks fordblks keepcost'.split()]\n"

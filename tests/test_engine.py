@@ -10,7 +10,7 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, QueueFull, Request
-from dgemma.generate import CanvasTemplate, generate
+from dgemma.generation import CanvasTemplate, generate
 
 
 @pytest.fixture(scope="module")

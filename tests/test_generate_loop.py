@@ -1,4 +1,4 @@
-"""The reference generation loop (dgemma.generate) on a deterministic mock model: canvases, positions,
+"""The reference generation loop (dgemma.generation.generate) on a deterministic mock model: canvases, positions,
 EOS/pad handling, max_new_tokens, per-row stopping, fixed steps, canvas templates, self-conditioning,
 seeds and statistics."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dgemma.config import SamplingConfig
-from dgemma.generate import CanvasTemplate, generate
+from dgemma.generation import CanvasTemplate, generate
 from dgemma.sampling import temperature_schedule
 
 PAD, EOS_A, EOS_B = 0, 1, 3
@@ -260,7 +260,7 @@ def test_matches_transformers_generate_with_shared_randomness(tmp_path, monkeypa
     inverse-CDF draws and our generator, drawn in the same order, so the tokens themselves must agree."""
     pytest.importorskip("dgemma.model")
     import dgemma
-    from dgemma.generate import left_pad
+    from dgemma.generation import left_pad
     from dgemma.sampling import chunk_rows, sample_from_probs
     from tests.conftest import make_hf_model
 

@@ -13,8 +13,10 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Event
-from dgemma.serving.codec import SudokuCodec, TextAssembler, read_task
+from dgemma.serving.codec import TextAssembler
 from dgemma.serving.worker import EngineWorker, RequestStream
+from dgemma.tasks import read_task
+from dgemma.tasks.sudoku_codec import SudokuCodec
 
 
 class CharCodec:

@@ -55,7 +55,7 @@ def test_engine_answers_validate_for_many_seeds_and_schemas(gemma_model):
 
 def test_plain_loop_matches_the_engine_and_mixes_with_free_rows(gemma_model):
     from dgemma.engine import Engine
-    from dgemma.generate import generate
+    from dgemma.generation import generate
 
     model, tokenizer, vocab = gemma_model
     sampling = model.sampling_config.replace(max_new_tokens=64, max_denoising_steps=4)

@@ -13,6 +13,9 @@ import dgemma
 from dgemma.commands.sudoku import SHIPPED
 from dgemma.tasks import sudoku as S
 
+ROOT = SHIPPED.parent.parent.parent
+RESULTS = ROOT / "results" / "sudoku"  # the shipped models' evaluation and training records
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "dgemma", "sudoku", *args], capture_output=True, text=True,
@@ -88,11 +91,11 @@ def test_eval_takes_the_sampler_settings_and_rejects_bad_ones(tmp_path, random_s
 
 def test_shipped_decoding_is_the_one_chosen_on_validation_puzzles():
     """ship_sudoku.sh writes scripts/sudoku-decoding.json into the shipped generation_config.json."""
-    chosen = json.loads((SHIPPED.parent.parent.parent / "scripts" / "sudoku-decoding.json").read_text())
+    chosen = json.loads((ROOT / "scripts" / "sudoku-decoding.json").read_text())
     sampling = dgemma.load_model(SHIPPED).sampling_config
     assert (sampling.t_max, sampling.t_min, sampling.max_denoising_steps, sampling.entropy_bound) == (
         chosen["t_max"], chosen["t_min"], chosen["max_denoising_steps"], chosen["entropy_bound"])
-    assert json.loads((SHIPPED / "decoding.json").read_text()) == chosen
+    assert json.loads((RESULTS / "decoding.json").read_text()) == chosen
 
 
 def test_solve_says_invalid_clearly_and_bad_puzzle_exits_2(random_sudoku_model):
@@ -117,17 +120,19 @@ def test_shipped_model_solves_and_evaluates(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["total"] == 4
 
 
-def test_shipped_model_names_its_committed_starting_point():
-    """The shipped model's own trainer state (stage 2) names the stage-1 checkpoint it started from; that
-    checkpoint is committed where --resume finds it, and so is the AR baseline's, each at its step."""
-    from dgemma.training.state import latest_checkpoint, read_trainer_state
-
-    root = SHIPPED.parent.parent.parent
-    state = json.loads((SHIPPED / "trainer_state.json").read_text())
-    assert state["config"]["augment"] == "sudoku"
-    start = root / state["config"]["model"]  # training-state/sudoku-diffusion/checkpoints/step-0004750/model
-    assert (start / "model.safetensors").is_file()
-    stage1 = json.loads((SHIPPED / "trainer_state-stage1.json").read_text())
-    assert latest_checkpoint(start.parent.parent.parent) == start.parent
-    assert read_trainer_state(start.parent)["step"] == stage1["step"] == 4750
-    assert read_trainer_state(latest_checkpoint(root / "training-state" / "sudoku-ar"))["step"] == 1500
+def test_shipped_models_and_their_training_records():
+    """The diffusion model and its AR baseline ship as model folders; the records of their training say
+    how each was made: stage 2 continued stage 1's step-4,750 weights with per-step symmetries, and the
+    AR baseline is stage 1's recipe with the AR objective, stopped at step 1,500."""
+    ar = ROOT / "dgemma" / "assets" / "sudoku-ar"
+    for folder in (SHIPPED, ar):
+        assert {"config.json", "generation_config.json", "model.safetensors"} <= {f.name for f in folder.iterdir()}
+    assert dgemma.load_model(ar).config == dgemma.load_model(SHIPPED).config
+    state = json.loads((RESULTS / "trainer_state.json").read_text())
+    stage1 = json.loads((RESULTS / "trainer_state-stage1.json").read_text())
+    baseline = json.loads((RESULTS / "trainer_state-ar.json").read_text())
+    assert state["config"]["augment"] == "sudoku" and state["step"] == 3000
+    assert state["config"]["model"].endswith(f"step-{stage1['step']:07d}/model") and stage1["step"] == 4750
+    assert baseline["step"] == 1500 and baseline["config"]["objective"] == "ar"
+    assert {k: v for k, v in baseline["config"].items() if k not in ("objective", "out", "until")} == {
+        k: v for k, v in stage1["config"].items() if k not in ("objective", "out", "until")}

@@ -1,4 +1,4 @@
-"""Pieces shared by the commands that load a model and sample from it."""
+"""What the commands share: the usage error, argument types, and loading a model and its sampler from flags."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import math
 import sys
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
 
 
 def positive_int(text: str) -> int:
@@ -85,8 +89,6 @@ def resolve_device_dtype(args):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        from dgemma.cli import UsageError
-
         raise UsageError("--device cuda asked for, but torch sees no CUDA device")
     name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     return device, getattr(torch, DTYPES[name])
@@ -102,8 +104,6 @@ def load_from_args(args):
 
 def read_prompt(text: str | None) -> str:
     """`-` (or no --prompt with piped input) reads standard input."""
-    from dgemma.cli import UsageError
-
     if text is None or text == "-":
         if text is None and sys.stdin.isatty():
             raise UsageError("give --prompt TEXT, or --prompt - to read standard input")

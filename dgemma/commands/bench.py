@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
-from dgemma.commands._common import add_revision_argument
+
+from dgemma.commands._common import UsageError, add_revision_argument
 
 
 def add_arguments(p):
@@ -41,8 +42,6 @@ def add_arguments(p):
 def _resolve(args):
     import torch
 
-    from dgemma.cli import UsageError
-
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA device")
@@ -58,8 +57,7 @@ def run(args):
     import torch
 
     import dgemma
-    from dgemma import bench
-    from dgemma.cli import UsageError
+    from dgemma.commands import bench_timing as timing
     from dgemma.engine import positions_needed
 
     try:
@@ -94,8 +92,8 @@ def run(args):
         if args.quantize:
             print("note: transformers runs the unquantised weights", file=sys.stderr)
         hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
-        with bench.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
-            hf = bench.load_transformers(f"{folder}/model", hf_dtype, device)
+        with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
+            hf = timing.load_transformers(f"{folder}/model", hf_dtype, device)
     print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
@@ -105,20 +103,20 @@ def run(args):
     need = positions_needed(args.prompt_len, new_tokens, c.canvas_length)
 
     def compared(engine_system: str, batch: int, prompts) -> list:
-        """Our engine, transformers and AR decoding, timed turn about (see `bench.interleave`)."""
-        systems = [bench.EngineTimed(model, prompts, fixed, engine_system)]
+        """Our engine, transformers and AR decoding, timed turn about (see `timing.interleave`)."""
+        systems = [timing.EngineTimed(model, prompts, fixed, engine_system)]
         if hf is not None:
-            systems.append(bench.TransformersTimed(hf, prompts, fixed))
+            systems.append(timing.TransformersTimed(hf, prompts, fixed))
         if not args.no_ar:
-            systems.append(bench.ARTimed(model, prompts, new_tokens, never))
-        bench.interleave(systems, args.repeats)
+            systems.append(timing.ARTimed(model, prompts, new_tokens, never))
+        timing.interleave(systems, args.repeats)
         return systems
 
     for batch, prompts in prompts_by_batch.items():
         systems = compared("engine-fixed", batch, prompts)
         rows += [timed.measurement("eager") for timed in systems]
         engine = rows[-len(systems)]
-        budget = bench.memory_budget(model, batch, need)
+        budget = timing.memory_budget(model, batch, need)
         # resident memory before a run already holds weights, runtime and the allocated KV cache; during
         # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
         budget["rss_before_bytes"] = engine.rss_before_bytes
@@ -126,7 +124,7 @@ def run(args):
         budget["within_budget"] = systems[0].within_budget(budget["logits_buffer_bytes"])
         budgets[batch] = budget
         if not args.no_adaptive:
-            adaptive_run = bench.EngineTimed(model, prompts, adaptive, "engine-adaptive")
+            adaptive_run = timing.EngineTimed(model, prompts, adaptive, "engine-adaptive")
             adaptive_run.run(0)
             rows.append(adaptive_run.measurement("eager"))
         print(f"  batch {batch} done", file=sys.stderr)

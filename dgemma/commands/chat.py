@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from dgemma.commands._common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_from_args
+from dgemma.commands._common import (
+    UsageError,
+    add_model_arguments,
+    add_sampling_arguments,
+    load_from_args,
+    sampling_from_args,
+)
 
 
 def add_arguments(p):
@@ -49,7 +55,6 @@ class AnswerPrinter:
 def run(args):
     import rich.console
 
-    from dgemma.cli import UsageError
     from dgemma.commands.generate import DraftView
     from dgemma.engine import Engine, Request
     from dgemma.serving.codec import TextCodec

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from dgemma.commands._common import add_revision_argument
+
+from dgemma.commands._common import UsageError, add_revision_argument
 
 DTYPE_CHOICES = ("keep", "bfloat16", "float16", "float32")
 
@@ -33,7 +34,6 @@ def add_arguments(p):
 
 
 def run(args):
-    from dgemma.cli import UsageError
     from dgemma.convert import (
         OUT_DTYPES, check_output, convert_gemma4, describe, parse_drop, parse_size, plan_conversion,
     )

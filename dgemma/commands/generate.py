@@ -7,6 +7,7 @@ import sys
 import time
 
 from dgemma.commands._common import (
+    UsageError,
     add_model_arguments,
     add_sampling_arguments,
     load_from_args,
@@ -80,7 +81,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args):
-    from dgemma.cli import UsageError
     from dgemma.engine import Engine, Request, positions_needed
     from dgemma.tokenizer import Tokenizer
 
@@ -170,7 +170,7 @@ def constraint_from_args(args, tokenizer):
 
 
 def _run_ar(args, model, tokenizer, prompt, sampling):
-    from dgemma.ar import generate_ar
+    from dgemma.generation import generate_ar
 
     start = time.perf_counter()
     tokens = generate_ar(model, [prompt], sampling.max_new_tokens, eos_token_ids=sampling.eos_token_ids,

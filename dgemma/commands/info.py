@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from dgemma.commands._common import UsageError, add_revision_argument
 from dgemma.config import ModelConfig, get_preset
-from dgemma.commands._common import add_revision_argument
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp16 scale per group
@@ -94,7 +94,6 @@ def _gb(n: float) -> str:
 
 
 def run(args):
-    from dgemma.cli import UsageError
 
     if args.batch < 1 or args.context < 1:
         raise UsageError("--batch and --context must be >= 1")

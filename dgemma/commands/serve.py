@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import add_model_arguments, positive_int
+from dgemma.commands._common import UsageError, add_model_arguments, load_from_args, positive_int
 
 
 def add_arguments(p):
@@ -32,11 +32,11 @@ def add_arguments(p):
 def run(args):
     import uvicorn
 
-    from dgemma.cli import UsageError
-    from dgemma.commands._common import load_from_args
     from dgemma.serving.app import ServerState, create_app
-    from dgemma.serving.codec import make_codec, read_task
+    from dgemma.serving.codec import TextCodec
     from dgemma.serving.worker import EngineWorker
+    from dgemma.tasks import read_task, task_codec
+    from dgemma.tokenizer import Tokenizer
 
     folder = Path(args.model)
     if not folder.is_dir():
@@ -48,7 +48,8 @@ def run(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
     model = load_from_args(args)
-    codec = make_codec(folder, task, model.config.vocab_size)
+    vocab_size = model.config.vocab_size
+    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     context = model.config.max_position_embeddings
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")

@@ -1,15 +1,18 @@
 """The batched generation loop: requests join at canvas boundaries, requests at different denoising steps
 share one forward, finished or cancelled ones leave at once.
 
+The parts, as in nano-vllm: request.py (one request's state), scheduler.py (the queue, free cache rows,
+cancellation, which requests step together), runner.py (the model and its cache), and this loop.
 Each iteration (`step`):
-  1. admit waiting requests into free cache rows (prefill their prompts) and start their first canvas;
+  1. drop cancelled requests; admit waiting requests into free cache rows (prefill their prompts) and
+     start their first canvas;
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
      generator) and stop rule;
   3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
      for each; rows that produced EOS or reached max_new_tokens finish and free their row.
 
 Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
-request with seed s yields what `dgemma.generate.generate` yields for that prompt alone with seed s.
+request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s.
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
 exactly as the plain loop does it.
 `submit` and `cancel` may be called from other threads; `step` runs on one.
@@ -18,15 +21,15 @@ exactly as the plain loop does it.
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections import deque
 
 import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
+from dgemma.engine.scheduler import Scheduler
+from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos, template_slice
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
 from dgemma.sampling.sampler import scan_logits
 
@@ -36,10 +39,6 @@ def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -
     return prompt_len + math.ceil(max_new_tokens / canvas_length) * canvas_length
 
 
-class QueueFull(Exception):
-    """More requests are waiting than the engine accepts; retry later."""
-
-
 class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64):
         self.model = model
@@ -47,12 +46,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         max_length = max_length or min(model.config.max_position_embeddings, 8192)
         self.runner = Runner(model, max_batch, max_length)
-        self.max_queue = max_queue
-        self.free_rows = list(range(max_batch))
-        self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []
-        self.lock = threading.Lock()
-        self.wakeup = threading.Event()  # set when work arrives, for a serving loop that sleeps
+        self.scheduler = Scheduler(max_batch, max_queue)
         self.forwards = 0  # decoder forwards run, for benchmarks
         # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
         self.scan = torch.compile(scan_logits, dynamic=True) if model.decoder_compiled else scan_logits
@@ -60,6 +54,23 @@ class Engine:
     @property
     def max_length(self) -> int:
         return self.runner.cache.max_length
+
+    # the scheduler's state, as a serving loop and tests look at it
+    @property
+    def active(self) -> list[Request]:
+        return self.scheduler.active
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def free_rows(self) -> list[int]:
+        return self.scheduler.free_rows
+
+    @property
+    def wakeup(self):
+        return self.scheduler.wakeup
 
     def tokens_needed(self, prompt_len: int, sampling: SamplingConfig) -> int:
         return positions_needed(prompt_len, sampling.max_new_tokens, self.canvas_length)
@@ -77,28 +88,29 @@ class Engine:
                 f"(rounded up to whole canvases of {self.canvas_length}) needs {need} positions; "
                 f"the engine holds {self.max_length}"
             )
-        with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
-            self.waiting.append(request)
-        self.wakeup.set()
+        self.scheduler.add(request)
         return request
 
     def cancel(self, request: Request):
-        request.cancel_requested = True
-        self.wakeup.set()
+        self.scheduler.cancel(request)
 
     def has_work(self) -> bool:
-        with self.lock:
-            return bool(self.waiting or self.active)
+        return self.scheduler.has_work()
 
     # -- the loop (one thread) -----------------------------------------------------------------
     def step(self):
-        self._drop_cancelled()
-        self._admit()
-        if not self.active:
-            return
-        self._denoise_step()
+        for r in self.scheduler.take_cancelled():
+            self._finish(r, "cancelled")
+        for r in self.scheduler.admit():
+            r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
+            if r.constraint is not None:
+                from dgemma.structured.answer import ConstrainedAnswer
+
+                r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
+            self.runner.prefill(r.row, r.prompt)
+            self._start_canvas(r)
+        if self.active:
+            self._denoise_step()
 
     def run_until_done(self, requests: list[Request]):
         while not all(r.done for r in requests):
@@ -121,7 +133,7 @@ class Engine:
             requests.append(Request(prompt=list(prompt), sampling=sampling, seed=seed, fixed=fixed,
                                     fixed_tokens=tokens, constraint=constraint, on_event=on_event))
         for r in requests:  # the engine's own queue bound does not apply to a direct batch call
-            self.waiting.append(r)
+            self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
         return requests
 
@@ -135,45 +147,15 @@ class Engine:
         self.forwards = 0
 
     # -- internals -------------------------------------------------------------------------------
-    def _drop_cancelled(self):
-        with self.lock:
-            for r in [r for r in self.waiting if r.cancel_requested]:
-                self.waiting.remove(r)
-                self._finish(r, "cancelled")
-        for r in [r for r in self.active if r.cancel_requested]:
-            self._finish(r, "cancelled")
-
-    def _admit(self):
-        while self.free_rows:
-            with self.lock:
-                if not self.waiting:
-                    return
-                request = self.waiting.popleft()
-            request.row = self.free_rows.pop(0)
-            request.generator = torch.Generator(device=self.model.device).manual_seed(request.seed)
-            request.status = Status.DENOISING
-            if request.constraint is not None:
-                from dgemma.structured.answer import ConstrainedAnswer
-
-                s = request.sampling
-                request.answer = ConstrainedAnswer(request.constraint, s.eos_token_ids, s.pad_token_id)
-            self.runner.prefill(request.row, request.prompt)
-            self.active.append(request)
-            self._start_canvas(request)
-
     def _start_canvas(self, r: Request):
         L, device = self.canvas_length, self.model.device
         r.step_index = 0
         r.soft = None
         r.canvas_fixed = r.canvas_fixed_tokens = None
         if r.fixed is not None:
-            start = r.canvas_index * L
-            fixed = r.fixed[start : start + L]
-            if bool(fixed.any()):
-                pad = L - fixed.shape[0]
-                r.canvas_fixed = torch.nn.functional.pad(fixed, (0, pad), value=False).to(device)[None]
-                r.canvas_fixed_tokens = torch.nn.functional.pad(
-                    r.fixed_tokens[start : start + L], (0, pad), value=0).to(device)[None]
+            fixed, tokens = template_slice(r.fixed[None], r.fixed_tokens[None], r.canvas_index, L)  # (1, L)
+            if fixed is not None:
+                r.canvas_fixed, r.canvas_fixed_tokens = fixed.to(device), tokens.to(device)
         canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
         if r.canvas_fixed is not None:
             canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
@@ -194,7 +176,7 @@ class Engine:
             result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
                                   fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
             r.canvas, r.argmax = result.canvas[0], result.argmax[0]
-            budget = s.max_new_tokens - r.canvas_index * self.canvas_length
+            budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
             if r.answer is not None:  # as the plain loop: accepted positions take tokens of a valid answer
                 r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_logits[0], budget, r.generator)
             stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
@@ -223,19 +205,11 @@ class Engine:
         for r in requests:
             s = r.sampling
             eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=r.argmax.device)
-            is_eos = torch.isin(r.argmax, eos)
-            after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-            canvas_tokens = r.argmax.masked_fill(after_eos, s.pad_token_id)
+            canvas_tokens = pad_after_eos(r.argmax[None], eos, s.pad_token_id)[0][0]  # (L,)
             r.committed_non_pad += int((canvas_tokens != s.pad_token_id).sum())
             r.steps_per_canvas.append(r.step_index)
-            budget = s.max_new_tokens - r.canvas_index * self.canvas_length
-            row_tokens = canvas_tokens[:budget].tolist()
-            new = row_tokens
-            hit_eos = False
-            for j, t in enumerate(row_tokens):
-                if t in s.eos_token_ids:
-                    new, hit_eos = row_tokens[:j], True
-                    break
+            budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
+            new, hit_eos = cut_at_eos(canvas_tokens[:budget].tolist(), s.eos_token_ids)
             r.tokens.extend(new)
             if r.t_first_canvas is None:
                 r.t_first_canvas = time.perf_counter()
@@ -257,10 +231,7 @@ class Engine:
         r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
         r.t_done = time.perf_counter()
         r.soft = r.canvas = r.history = r.answer = None
-        if r in self.active:
-            self.active.remove(r)
-        if r.row is not None:
-            self.runner.free([r.row])
-            self.free_rows.append(r.row)
-            r.row = None
+        row = self.scheduler.release(r)
+        if row is not None:
+            self.runner.free([row])
         r.emit(Event("finished", r.request_id, r.canvas_index, finish_reason=reason))

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.config import ConfigError, SamplingConfig
 from dgemma.serving.chat_output import ChatOutput
-from dgemma.serving.codec import PromptError, TextAssembler
+from dgemma.serving.codec import Codec, PromptError, TextAssembler
 from dgemma.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -55,7 +55,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 @dataclass
 class ServerState:
     worker: EngineWorker
-    codec: object  # codec.TextCodec | codec.SudokuCodec
+    codec: Codec  # TextCodec, or a task's own (dgemma.tasks.task_codec)
     model_name: str
     sampling: SamplingConfig  # the model's defaults; requests override fields of it
     canvas_length: int
@@ -431,8 +431,9 @@ def _draft_payload(codec, event) -> dict:
 def _stats(state: ServerState, choice: Choice) -> dict:
     request = choice.stream.request
     stats = {"seed": request.seed, **request.stats()}
-    if state.codec.task == "sudoku":
-        stats["sudoku"] = state.codec.check_answer(request.prompt, choice.assembler.tokens)
+    verdict = state.codec.check_answer(request.prompt, choice.assembler.tokens)
+    if verdict is not None:
+        stats[state.codec.task] = verdict
     return stats
 
 

@@ -1,10 +1,8 @@
 """What the server reads and writes for one model: prompts to token ids, token ids to text.
 
-Two kinds of model folder:
-  * a text model (the usual case): `tokenizer.json` plus a chat template; text in, text out;
-  * the sudoku model (`dgemma_task.json` says {"task": "sudoku"}): the prompt is an 81-character
-    puzzle ('0' or '.' for blanks) and the answer is 81 digits, '.' where the model wrote a
-    non-digit token. Its vocabulary of 16 needs no tokenizer file.
+`Codec` is what the server knows of a model's task. `TextCodec` serves a text model (`tokenizer.json`
+plus a chat template: text in, text out); a task with its own format brings its own codec
+(`dgemma.tasks.task_codec`, e.g. the sudoku model's), which the server uses the same way.
 
 `TextAssembler` turns the committed tokens of one request into text deltas: it never sends half a
 character or the start of what may become a stop string.
@@ -13,36 +11,19 @@ character or the start of what may become a stop string.
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 from typing import Callable
 
 from dgemma.serving import chat_output
-from dgemma.tasks import sudoku
-
-TASK_FILE = "dgemma_task.json"
-TASKS = ("text", "sudoku")
 
 
 class PromptError(ValueError):
     """The prompt cannot be turned into token ids (the message says why); the client gets a 400."""
 
 
-def read_task(folder: str | Path) -> str:
-    """The task a model folder declares in `dgemma_task.json` ("text" when the file is absent)."""
-    path = Path(folder) / TASK_FILE
-    if not path.is_file():
-        return "text"
-    try:
-        task = json.loads(path.read_text()).get("task")
-    except (json.JSONDecodeError, AttributeError):
-        raise ValueError(f"{path}: expected a JSON object like {{\"task\": \"sudoku\"}}") from None
-    if task not in TASKS:
-        raise ValueError(f"{path}: unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-    return task
-
-
 class Codec:
+    """Prompts in (`encode_text`, `encode_chat`, `check_ids`), answers out (`decode`, `piece` for one
+    draft token, `check_answer` for what the task can say of a finished answer)."""
+
     task: str
     fixed_max_tokens: int | None = None  # None: any length the context allows
     answer_ends: frozenset[int] = frozenset()  # tokens that end an answer besides the model's EOS
@@ -63,6 +44,10 @@ class Codec:
     def unsettled(self, tokens: list[int]) -> int:
         """How many of the last tokens may still decode differently once more tokens follow."""
         return 0
+
+    def check_answer(self, prompt: list[int], tokens: list[int]) -> dict | None:
+        """A task's verdict on a finished answer, sent with its statistics under the task's name; None: none."""
+        return None
 
 
 class TextCodec(Codec):
@@ -121,54 +106,6 @@ class TextCodec(Codec):
     def _piece(self, token: int) -> str:
         # special tokens are shown too: a draft is a picture of the canvas, not the final text
         return self.tokenizer.decode([token], skip_special_tokens=False)
-
-
-class SudokuCodec(Codec):
-    task = "sudoku"
-    fixed_max_tokens = sudoku.SudokuVocab.canvas_length  # an answer is one canvas of 81 cells
-
-    def __init__(self, vocab_size: int = sudoku.SudokuVocab.vocab_size):
-        super().__init__(vocab_size)
-        self._names = sudoku.SudokuVocab.token_names()
-
-    def encode_text(self, text: str) -> list[int]:
-        try:
-            return sudoku.encode_prompt(sudoku.parse_puzzle(text))
-        except ValueError as e:
-            raise PromptError(f"not a sudoku puzzle: {e} (81 cells, digits 1-9, '0' or '.' for blanks)") from None
-
-    def encode_chat(self, messages: list[dict], template_kwargs: dict) -> list[int]:
-        """The puzzle is the last user message; earlier turns mean nothing to this model."""
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        if not users:
-            raise PromptError("a sudoku request needs a user message holding the puzzle")
-        return self.encode_text(users[-1])
-
-    def grid(self, tokens: list[int]) -> tuple[int, ...]:
-        """The answer grid; a cell without a digit is 0, so are the cells after an EOS the model wrote."""
-        cells = sudoku.SudokuVocab.canvas_length
-        return sudoku.decode_canvas(list(tokens)[:cells] + [sudoku.SudokuVocab.BLANK] * (cells - len(tokens)))
-
-    def decode(self, tokens: list[int]) -> str:
-        """81 characters, '.' for a blank cell."""
-        return sudoku.grid_to_string(self.grid(tokens), blank=".")
-
-    def piece(self, token: int) -> str:
-        return self._names[token] if 0 <= token < len(self._names) else f"<{token}>"
-
-    def check_answer(self, prompt: list[int], tokens: list[int]) -> dict:
-        """Whether the answer solves the puzzle in the prompt (the page and clients show it)."""
-        puzzle = tuple(t - 3 if t in sudoku.SudokuVocab.DIGIT_IDS else 0 for t in prompt[1:])
-        problems = sudoku.solution_errors(puzzle, self.grid(tokens))
-        return {"solved": not problems, "problems": problems[:5]}
-
-
-def make_codec(folder: str | Path, task: str, vocab_size: int):
-    if task == "sudoku":
-        return SudokuCodec(vocab_size)
-    from dgemma.tokenizer import Tokenizer
-
-    return TextCodec(Tokenizer.from_folder(folder), vocab_size)
 
 
 class TextAssembler:

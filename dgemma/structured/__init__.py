@@ -2,7 +2,7 @@
 
     vocabulary = TokenVocabulary.from_tokenizer(tokenizer, size=model.config.vocab_size)
     constraint = json_schema_constraint(schema, vocabulary)        # or regex_constraint / json_object_constraint
-    engine.generate([prompt], sampling, constraints=[constraint])  # or dgemma.generate(..., constraint=...)
+    engine.generate([prompt], sampling, constraints=[constraint])  # or dgemma.generation.generate(..., constraint=...)
 
 vocabulary.py: token ids -> bytes; schema.py: the supported JSON-schema subset; automaton.py: the
 token automaton (outlines-core) with token classes; decode.py: the canvas DP (DINGO-style Viterbi).

@@ -1,5 +1,5 @@
 """One constrained answer inside the denoising loop: where it stands in its automaton, and the two
-things the loop asks of it (dgemma.generate and dgemma.engine call the same methods in the same order,
+things the loop asks of it (dgemma.generation and dgemma.engine call the same methods in the same order,
 so a constrained request's tokens are the same through either).
 
 How the constraint shapes a canvas:

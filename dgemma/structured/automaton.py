@@ -68,6 +68,7 @@ class TokenAutomaton:
     description: str = "regex"
     _next: dict = field(default_factory=dict, repr=False)  # (state, class) -> state
     _on_device: dict = field(default_factory=dict, repr=False)
+    _edges_into: tuple | None = field(default=None, repr=False)
 
     @property
     def num_states(self) -> int:
@@ -101,6 +102,15 @@ class TokenAutomaton:
             if state is None:
                 return None
         return state
+
+    def edges_into(self) -> tuple[np.ndarray, np.ndarray]:
+        """Edges grouped by target state (host arrays): edges into q are order[offsets[q]:offsets[q+1]]."""
+        if self._edges_into is None:
+            dst = self.edge_dst.cpu().numpy()
+            order = np.argsort(dst, kind="stable")
+            offsets = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=self.num_states + 1))])
+            self._edges_into = (order, offsets)
+        return self._edges_into
 
     def is_final(self, state: int) -> bool:
         return bool(self.final[state])

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dgemma.sampling.sampler import inverse_cdf
@@ -178,30 +179,33 @@ class _Plan:
         return path
 
     def sample_back(self, alphas: torch.Tensor, generator) -> list[tuple[int, int]]:
-        """Backward sampling through the forward messages: the same path form as `backtrack`."""
-        a, Q, device = self.a, self.Q, self.probs.device
-        finals = torch.nonzero(a.final)[:, 0]
-        mass, eos_mass, fill_mass = self.scores("sum")
-        u = torch.rand(self.n + 1, generator=generator, device=device).tolist()
+        """Backward sampling through the forward messages: the same path form as `backtrack`. Runs on
+        the host: each position looks at the few edges into one state (the automaton's CSR by target)."""
+        a, Q = self.a, self.Q
+        mass, eos_mass, fill_mass = (x.double().cpu().numpy() for x in self.scores("sum"))
+        alphas = alphas.double().cpu().numpy()
+        u = torch.rand(self.n + 1, generator=generator, device=self.probs.device).tolist()
+        host = a.on("cpu")
+        finals = np.nonzero(host.final.numpy())[0]
+        into_order, into_offsets = host.edges_into()
+        src, cls = host.edge_src.numpy(), host.edge_class.numpy()
         q = _draw(alphas[self.n], u[self.n])
         self.last = q
         path = []
         for i in range(self.n - 1, -1, -1):
             W = alphas[i]
             if q == Q:  # came from END (filler) or from an accepting state (its EOS)
-                options = torch.cat([W[finals] + eos_mass[i], (W[Q] + fill_mass[i])[None]])
-                k = _draw(options, u[i])
+                k = _draw(np.append(W[finals] + eos_mass[i], W[Q] + fill_mass[i]), u[i])
                 if k == len(finals):
                     path.append((2, 0))
                 else:
                     path.append((1, 0))
                     q = int(finals[k])
             else:
-                into = torch.nonzero(a.edge_dst == q)[:, 0]
-                weights = W[a.edge_src[into]] + mass[i, a.edge_class[into]]
-                e = int(into[_draw(weights, u[i])])
-                path.append((0, int(a.edge_class[e])))
-                q = int(a.edge_src[e])
+                into = into_order[into_offsets[q]: into_offsets[q + 1]]
+                e = into[_draw(W[src[into]] + mass[i, cls[into]], u[i])]
+                path.append((0, int(cls[e])))
+                q = int(src[e])
         path.reverse()
         return path
 
@@ -225,9 +229,9 @@ class _Plan:
         return CanvasChoice(tokens=tokens, state=end if self.n else state, cut=cut)
 
 
-def _draw(log_weights: torch.Tensor, u: float) -> int:
+def _draw(log_weights: np.ndarray, u: float) -> int:
     """Index drawn with probability proportional to exp(log_weights), from the uniform u."""
-    w = (log_weights - log_weights.max()).exp()
-    w = torch.where(torch.isfinite(log_weights), w, 0.0)
-    cdf = w.cumsum(0)
-    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(w) - 1)
+    finite = np.isfinite(log_weights)
+    w = np.where(finite, np.exp(log_weights - log_weights[finite].max()), 0.0)
+    cdf = np.cumsum(w)
+    return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(w) - 1)

@@ -16,8 +16,8 @@ with the single token `<|"|>`) names them in `special_tokens`; each is then writ
 character (U+F0000, U+F0001, ... in the order given) that `special(text)` returns for use in a regex.
 No other token can write those characters: the vocabulary then drops the byte-fallback token of their
 UTF-8 lead byte 0xF3, which only starts characters U+C0000-U+FFFFF (private use and unassigned planes),
-and any token whose text holds one. A regex that should not match special tokens inside free text
-excludes them with `NOT_SPECIAL` (e.g. `(?:[^<]|...)` written as `[^<\\U000F0000-\\U000F00FF]`).
+and any token whose text holds one. Free text between special tokens is written with `NOT_SPECIAL`
+(any character but those), so that a special token cannot appear inside it.
 """
 
 from __future__ import annotations

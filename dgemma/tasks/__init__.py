@@ -1,1 +1,36 @@
-"""Tasks the project trains and evaluates on, each independent of any model (see `sudoku`)."""
+"""Tasks the project trains and evaluates on, each independent of any model (see `sudoku`).
+
+A model folder made for a task says so in `dgemma_task.json` ({"task": "sudoku"}); without that file it
+is a text model. `dgemma serve` asks `task_codec` how to read a task's prompts and write its answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TASK_FILE = "dgemma_task.json"
+TASKS = ("text", "sudoku")
+
+
+def read_task(folder: str | Path) -> str:
+    """The task a model folder declares in `dgemma_task.json` ("text" when the file is absent)."""
+    path = Path(folder) / TASK_FILE
+    if not path.is_file():
+        return "text"
+    try:
+        task = json.loads(path.read_text()).get("task")
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{path}: expected a JSON object like {{\"task\": \"sudoku\"}}") from None
+    if task not in TASKS:
+        raise ValueError(f"{path}: unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    return task
+
+
+def task_codec(task: str, vocab_size: int):
+    """The server's codec (dgemma.serving.codec.Codec) for a task other than text."""
+    if task == "sudoku":
+        from dgemma.tasks.sudoku_codec import SudokuCodec
+
+        return SudokuCodec(vocab_size)
+    raise ValueError(f"no codec for task {task!r}")

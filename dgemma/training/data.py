@@ -107,17 +107,17 @@ def encode_record(record, text: TextEncoder | None, vocab_size: int) -> tuple[li
                 _id_list(record.get("response_ids"), "response_ids", vocab_size))
     if "messages" in record:
         messages = _check_messages(record["messages"])
-        prompt, response = _need(text).chat(messages)
+        prompt, response = _text_encoder_or_fail(text).chat(messages)
     elif "prompt" in record or "response" in record:
         if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
             raise BadRecord("'prompt' and 'response' must both be strings")
-        prompt, response = _need(text).prompt_response(record["prompt"], record["response"])
+        prompt, response = _text_encoder_or_fail(text).prompt_response(record["prompt"], record["response"])
     else:
         raise BadRecord("expected keys prompt_ids/response_ids, prompt/response, or messages")
     return _id_list(prompt, "prompt", vocab_size), _id_list(response, "response", vocab_size)
 
 
-def _need(text: TextEncoder | None) -> TextEncoder:
+def _text_encoder_or_fail(text: TextEncoder | None) -> TextEncoder:
     if text is None:
         raise BadRecord("a text record needs a tokenizer (--tokenizer DIR, or a --model folder with one)")
     return text

@@ -198,46 +198,9 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     config.check(env.world_size)
     out = Path(config.out)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if env.is_main else (lambda *a: None)
-
-    # -- resume or fresh -------------------------------------------------------------------------
-    latest = latest_checkpoint(out)
-    if latest is not None and not config.resume:
-        raise ConfigError(f"{out} already holds checkpoints (latest {latest.name}); "
-                          "pass --resume to continue that run, or choose another --out")
-    saved = read_trainer_state(latest) if latest is not None else None
-    if saved is not None:
-        _check_resume(config, saved["config"], out)
-    elif config.resume:
-        say(f"note: no checkpoint in {out}; starting from step 0")
-
-    # -- architecture, then every data line checked, before any weight is loaded ---------------
-    model_config = resolve_model_config(config.model, config.init, config.model_overrides)
-    L, V = model_config.canvas_length, model_config.vocab_size
-    eos_id = config.eos_id if config.eos_id is not None else model_config.eos_token_id
-    if not 0 <= eos_id < V:
-        raise ConfigError(f"eos id {eos_id} is outside the vocabulary 0..{V - 1}")
-    max_length = config.max_length or model_config.max_position_embeddings
-    if max_length > model_config.max_position_embeddings:
-        raise ConfigError(f"--max-length {max_length} exceeds the model's context of "
-                          f"{model_config.max_position_embeddings}")
-    text, tokenizer_dir = _tokenizer(config)
-    dataset = load_jsonl(config.data, vocab_size=V, canvas_length=L, max_length=max_length, text=text,
-                         skip_bad_lines=config.skip_bad_lines)
-
-    # -- weights, what learns, sharding, optimizer -----------------------------------------------
-    torch.manual_seed(config.seed)
-    # a LoRA base never learns: under bf16 it is held in bf16 (half the memory); adapters stay fp32
-    base_dtype = torch.bfloat16 if config.lora and config.precision == "bf16" else torch.float32
-    model = build_model(config.model, model_config, config.seed, eos_id, base_dtype)
-    lora = (dict(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
-                 dropout=config.lora_dropout) if config.lora else None)
-    trainable = configure_trainable(model, objective=config.objective, lora=lora, train_router=config.train_router)
-    export = make_exporter(model, lora_scale=config.lora_alpha / config.lora_rank if config.lora else None,
-                           tokenizer_dir=tokenizer_dir)
-    model.to(env.device).train()
-    if env.distributed:
-        D.shard(model)
-    optimizer = _optimizer(model, config)
+    latest, saved = _resume_point(config, out, say)
+    model_config, eos_id, dataset, tokenizer_dir = _architecture_and_data(config)
+    model, optimizer, export, trainable = _model_and_optimizer(config, model_config, eos_id, tokenizer_dir, env)
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
         f"{env.world_size} process(es) on {env.device.type}")
@@ -257,15 +220,10 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
     D.barrier(env)
 
-    G, W = config.batch_size, env.world_size
-    share = G // W
-    micro = config.micro_batch_size or share
+    G = config.batch_size
     floor = config.min_lr if config.min_lr is not None else config.lr / 10
     stream = ExampleStream(len(dataset), config.seed)
-    autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
-    cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
     params = [p for p in model.parameters() if p.requires_grad]
-
     stop = config.until or config.steps
     progress = Progress(stop, start_step, enabled=config.progress and env.is_main)
     window = torch.zeros(4, dtype=torch.float64)  # summed over the log window: loss, diffusion, ar, tokens
@@ -276,35 +234,12 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
             lr = learning_rate(step, peak=config.lr, floor=floor, warmup=config.warmup_steps, total=config.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            sums = torch.zeros(4, dtype=torch.float64)
-            for a in range(share // micro):
-                first = step * G + env.rank * share + a * micro
-                positions = list(range(first, first + micro))
-                examples = read_examples(dataset, stream, positions, augment=config.augment, seed=config.seed)
-                batch = collate(examples, positions, canvas_length=L,
-                                pad_id=model_config.pad_token_id, eos_id=eos_id)
-                noise = None
-                if config.objective == "diffusion":
-                    noise = draw_noise(batch, run_seed=config.seed, canvas_length=L, vocab_size=V,
-                                       eps=config.noise_eps, self_cond_prob=config.self_cond_prob)
-                batch = batch.to(env.device)
-                D.set_gradient_sync(model, env, a == share // micro - 1)
-                with autocast:
-                    if noise is not None:
-                        losses = diffusion_losses(model, batch, noise, encoder_loss_weight=config.encoder_loss_weight,
-                                                  cache_dtype=cache_dtype, lockstep=env.distributed)
-                    else:
-                        losses = ar_losses(model, batch, cache_dtype=cache_dtype)
-                # FSDP averages gradients over W processes: scale so the result is the mean over G examples
-                (losses.total.sum() * (W / G)).backward()
-                parts = [float(x.detach().sum()) for x in (losses.total, losses.diffusion, losses.ar)]
-                sums += torch.tensor([*parts, batch.num_tokens], dtype=torch.float64)
+            sums = _accumulate_gradients(config, env, model, dataset, stream, step, model_config, eos_id)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            sums = D.all_reduce_sum(sums, env)
-            window += sums
+            window += D.all_reduce_sum(sums, env)
             window_steps += 1
             done = step + 1
             if done % config.log_every == 0 or done == stop:
@@ -349,3 +284,88 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         last_loss = records[-1]["loss"]
     ran = max(stop - start_step, 0)
     return TrainResult(stop, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))
+
+
+def _resume_point(config: TrainConfig, out: Path, say):
+    """(latest checkpoint, its trainer state), or (None, None) for a fresh run; refuses to mix runs."""
+    latest = latest_checkpoint(out)
+    if latest is not None and not config.resume:
+        raise ConfigError(f"{out} already holds checkpoints (latest {latest.name}); "
+                          "pass --resume to continue that run, or choose another --out")
+    saved = read_trainer_state(latest) if latest is not None else None
+    if saved is not None:
+        _check_resume(config, saved["config"], out)
+    elif config.resume:
+        say(f"note: no checkpoint in {out}; starting from step 0")
+    return latest, saved
+
+
+def _architecture_and_data(config: TrainConfig):
+    """The model's config (cheap), then every data line checked, before any weight is loaded.
+    Returns (model config, canvas fill id, dataset, tokenizer folder or None)."""
+    model_config = resolve_model_config(config.model, config.init, config.model_overrides)
+    L, V = model_config.canvas_length, model_config.vocab_size
+    eos_id = config.eos_id if config.eos_id is not None else model_config.eos_token_id
+    if not 0 <= eos_id < V:
+        raise ConfigError(f"eos id {eos_id} is outside the vocabulary 0..{V - 1}")
+    max_length = config.max_length or model_config.max_position_embeddings
+    if max_length > model_config.max_position_embeddings:
+        raise ConfigError(f"--max-length {max_length} exceeds the model's context of "
+                          f"{model_config.max_position_embeddings}")
+    text, tokenizer_dir = _tokenizer(config)
+    dataset = load_jsonl(config.data, vocab_size=V, canvas_length=L, max_length=max_length, text=text,
+                         skip_bad_lines=config.skip_bad_lines)
+    return model_config, eos_id, dataset, tokenizer_dir
+
+
+def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, tokenizer_dir, env: D.DistEnv):
+    """Weights, what learns, sharding, AdamW. Returns (model, optimizer, the function that exports the
+    model at a checkpoint, the number of trainable parameters)."""
+    torch.manual_seed(config.seed)
+    # a LoRA base never learns: under bf16 it is held in bf16 (half the memory); adapters stay fp32
+    base_dtype = torch.bfloat16 if config.lora and config.precision == "bf16" else torch.float32
+    model = build_model(config.model, model_config, config.seed, eos_id, base_dtype)
+    lora = (dict(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
+                 dropout=config.lora_dropout) if config.lora else None)
+    trainable = configure_trainable(model, objective=config.objective, lora=lora, train_router=config.train_router)
+    export = make_exporter(model, lora_scale=config.lora_alpha / config.lora_rank if config.lora else None,
+                           tokenizer_dir=tokenizer_dir)
+    model.to(env.device).train()
+    if env.distributed:
+        D.shard(model)
+    return model, _optimizer(model, config), export, trainable
+
+
+def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, stream: ExampleStream, step: int,
+                          model_config, eos_id: int) -> torch.Tensor:
+    """Forward and backward over this process's share of step `step`'s examples, micro-batch by micro-batch.
+    Returns the summed (loss, diffusion loss, AR loss, tokens) of the share, float64."""
+    G, W = config.batch_size, env.world_size
+    share = G // W
+    micro = config.micro_batch_size or share
+    L, V = model_config.canvas_length, model_config.vocab_size
+    autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
+    cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    sums = torch.zeros(4, dtype=torch.float64)
+    for a in range(share // micro):
+        first = step * G + env.rank * share + a * micro
+        positions = list(range(first, first + micro))
+        examples = read_examples(dataset, stream, positions, augment=config.augment, seed=config.seed)
+        batch = collate(examples, positions, canvas_length=L, pad_id=model_config.pad_token_id, eos_id=eos_id)
+        noise = None
+        if config.objective == "diffusion":
+            noise = draw_noise(batch, run_seed=config.seed, canvas_length=L, vocab_size=V,
+                               eps=config.noise_eps, self_cond_prob=config.self_cond_prob)
+        batch = batch.to(env.device)
+        D.set_gradient_sync(model, env, a == share // micro - 1)
+        with autocast:
+            if noise is not None:
+                losses = diffusion_losses(model, batch, noise, encoder_loss_weight=config.encoder_loss_weight,
+                                          cache_dtype=cache_dtype, lockstep=env.distributed)
+            else:
+                losses = ar_losses(model, batch, cache_dtype=cache_dtype)
+        # FSDP averages gradients over W processes: scale so the result is the mean over G examples
+        (losses.total.sum() * (W / G)).backward()
+        parts = [float(x.detach().sum()) for x in (losses.total, losses.diffusion, losses.ar)]
+        sums += torch.tensor([*parts, batch.num_tokens], dtype=torch.float64)
+    return sums

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dgemma.config import SamplingConfig
+from dgemma.generation.canvas import columns_left, cut_at_eos, left_pad, pad_after_eos, template_slice
 from dgemma.sampling import (
     adaptive_stop,
     new_argmax_history,
@@ -88,6 +89,7 @@ def generate(
     on_canvas: OnCanvas | None = None,
     on_draft: OnDraft | None = None,
     constraint=None,
+    guide_steps: bool = True,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -97,6 +99,8 @@ def generate(
     device and batch -> same tokens. `sampling.fixed_steps` runs exactly max_denoising_steps per canvas.
     `constraint`: a dgemma.structured.TokenAutomaton for every row, or a list with one (or None) per
     row; a constrained row's answer is in the automaton's language (or cut: finish reason "length").
+    guide_steps=False constrains only the committed canvases, not the accepted samples of each step
+    (for measuring what the per-step guidance does; the engine always guides).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -122,7 +126,7 @@ def generate(
     pad_id = sampling.pad_token_id
     eos_ids = torch.tensor(sampling.eos_token_ids, dtype=torch.long, device=device)
     template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
-    answers = _constrained_answers(constraint, batch_size, sampling, template)
+    answers = _constrained_answers(constraint, batch_size, sampling, template, guide_steps)
 
     if seed is None:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -140,30 +144,30 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(batch_size)]
     time_to_first_canvas = 0.0
     for canvas_index in range(max_canvases):
-        fixed, fixed_tokens = _template_slice(template, canvas_index, canvas_length)
+        fixed, fixed_tokens = (None, None) if template is None else template_slice(
+            template.fixed, template.tokens, canvas_index, canvas_length)
         argmax, steps = denoise_canvas(
             model, cache, sampling, generator, frozen=finished, fixed=fixed, fixed_tokens=fixed_tokens,
-            on_draft=on_draft, answers=answers, budget=max_new_tokens - canvas_index * canvas_length,
+            on_draft=on_draft, answers=answers, budget=columns_left(max_new_tokens, canvas_index, canvas_length),
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
-        is_eos = torch.isin(argmax, eos_ids)  # (B, L)
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly before this position
-        canvas_tokens = argmax.masked_fill(after_eos | finished[:, None], pad_id)
+        canvas_tokens, has_eos = pad_after_eos(argmax, eos_ids, pad_id)  # (B, L), (B,)
+        canvas_tokens = canvas_tokens.masked_fill(finished[:, None], pad_id)
         was_finished = finished.tolist()
-        finished = finished | is_eos.any(-1)
+        finished = finished | has_eos
         committed.append(canvas_tokens)
         forward_passes += steps
 
         # Host-side bookkeeping (this also waits for the device, so the timing below is honest).
-        budget = max_new_tokens - canvas_index * canvas_length  # output columns left for this canvas
+        budget = columns_left(max_new_tokens, canvas_index, canvas_length)
         new_tokens = []
         for row, (row_tokens, row_steps) in enumerate(zip(canvas_tokens[:, :budget].tolist(), steps.tolist())):
             if was_finished[row]:
                 new_tokens.append([])
                 continue
             steps_per_canvas[row].append(row_steps)
-            new = _before_eos(row_tokens, sampling.eos_token_ids)
+            new, _ = cut_at_eos(row_tokens, sampling.eos_token_ids)
             new_tokens.append(new)
             tokens[row].extend(new)
         if canvas_index == 0:
@@ -262,7 +266,7 @@ def denoise_canvas(
     return argmax, steps
 
 
-def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template) -> list | None:
+def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template, guide_steps: bool):
     if constraint is None:
         return None
     from dgemma.structured.answer import ConstrainedAnswer
@@ -272,27 +276,8 @@ def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, 
         raise ValueError(f"{len(automata)} constraints for {batch_size} prompts")
     if template is not None and any(a is not None for a in automata):
         raise ValueError("a canvas template and a constraint cannot be combined")
-    return [None if a is None else ConstrainedAnswer(a, sampling.eos_token_ids, sampling.pad_token_id)
-            for a in automata]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of any lengths -> input_ids (B, P) long, attention_mask (B, P) bool (False = padding)."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = True
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def _before_eos(row_tokens: list[int], eos_ids) -> list[int]:
-    for i, token in enumerate(row_tokens):
-        if token in eos_ids:
-            return row_tokens[:i]
-    return row_tokens
+    return [None if a is None else ConstrainedAnswer(a, sampling.eos_token_ids, sampling.pad_token_id,
+                                                      guide_steps=guide_steps) for a in automata]
 
 
 def _device_of(model) -> torch.device:
@@ -313,17 +298,3 @@ def _check_template(template: CanvasTemplate | None, batch_size: int, vocab_size
     if used.numel() and (used.min() < 0 or used.max() >= vocab_size):
         raise ValueError(f"canvas template tokens must be in [0, {vocab_size})")
     return CanvasTemplate(fixed.to(device), fixed_tokens.to(device=device, dtype=torch.long))
-
-
-def _template_slice(template: CanvasTemplate | None, canvas_index: int, canvas_length: int):
-    """The template's (fixed, tokens) for one canvas, each (B, L), or (None, None) if nothing is fixed there."""
-    if template is None:
-        return None, None
-    start = canvas_index * canvas_length
-    fixed = template.fixed[:, start : start + canvas_length]
-    if not bool(fixed.any()):
-        return None, None
-    missing = canvas_length - fixed.shape[1]  # the template ends inside this canvas: the rest is free
-    fixed = torch.nn.functional.pad(fixed, (0, missing), value=False)
-    tokens = torch.nn.functional.pad(template.tokens[:, start : start + canvas_length], (0, missing), value=0)
-    return fixed, tokens

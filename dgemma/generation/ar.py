@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from dgemma.generation.canvas import left_pad
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+
+def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) fp32 -> token ids (B,): argmax at temperature 0, else a sample of softmax(logits / T)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -32,7 +34,7 @@ def generate_ar(
 ) -> list[list[int]]:
     """Continue every prompt by up to `max_new_tokens` tokens; row b stops at its first EOS.
 
-    Returns the new tokens of each row, the EOS that ended it left out (as `dgemma.generate` does).
+    Returns the new tokens of each row, the EOS that ended it left out (as block diffusion's `generate` does).
     `eos_token_ids` defaults to the model's generation config; `seed` makes sampling reproducible.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -41,13 +43,9 @@ def generate_ar(
         return [[] for _ in prompts]
     eos_ids = model.sampling_config.eos_token_ids if eos_token_ids is None else eos_token_ids
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=model.device)
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, P), model.config.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(B, P, dtype=torch.bool)
-    for b, p in enumerate(prompts):  # left padding: every row's last prompt token is in the last column
-        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[b, P - len(p):] = True
-    ids, mask = ids.to(model.device), mask.to(model.device)
+    # left padding: every row's last prompt token is in the last column
+    ids, mask = left_pad(prompts, model.config.pad_token_id, model.device)  # (B, P) each
+    B, P = ids.shape
     generator = torch.Generator(model.device).manual_seed(seed) if seed is not None else None
 
     cache = model.new_cache(B, P + max_new_tokens)
@@ -56,7 +54,7 @@ def generate_ar(
     out: list[list[int]] = [[] for _ in prompts]
     rows = torch.arange(B, device=model.device)  # cache rows (= prompts) still generating
     for step in range(max_new_tokens):
-        token = _pick(logits, temperature, generator)  # (b,)
+        token = _next_tokens(logits, temperature, generator)  # (b,)
         finished = torch.isin(token, eos)
         for row, tok, done in zip(rows.tolist(), token.tolist(), finished.tolist()):
             if not done:

@@ -1,4 +1,5 @@
-"""Generation speed, measured side by side in one process (ratios, because shared machines are noisy).
+"""`dgemma bench`'s measurements: generation speed, side by side in one process (ratios, because shared
+machines are noisy).
 
 For each batch size: our engine with a fixed number of denoising steps per canvas and in adaptive mode,
 transformers' `DiffusionGemmaForBlockDiffusion.generate` on the same weights and settings, and
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dgemma.allocator import release_freed_memory
 from dgemma.config import SamplingConfig
+from dgemma.engine.allocator import release_freed_memory
 
 
 def reset_peak_rss():
@@ -190,7 +191,7 @@ class ARTimed(Timed):
     system = "ar"
 
     def __init__(self, model, prompts, new_tokens: int, eos):
-        from dgemma.ar import generate_ar
+        from dgemma.generation import generate_ar
 
         super().__init__(len(prompts), model.device)
         self.model, self.prompts, self.new_tokens, self.eos = model, prompts, new_tokens, eos

@@ -28,9 +28,9 @@ def keep_freed_memory() -> bool:
 
     By default a large block gets its own mmap, and freed memory at the top of the heap is returned once it
     passes a trim threshold; a generation step frees and reallocates the same large buffers every step, so
-    every step page-faults them in again (bench-20m, eager engine: ~93,000 faults and ~0.2 s of system
-    time per 256-token generation; with this, a few hundred). Peak memory is unchanged; memory freed after
-    the peak stays with the process. Linux with glibc only; returns False where it does nothing.
+    every step page-faults them in again (benchmarks/README.md has the counts). Peak memory is unchanged;
+    memory freed after the peak stays with the process. Linux with glibc only; returns False where it
+    does nothing.
     """
     libc = _glibc()
     if libc is None:  # not glibc (musl has no mallopt)

@@ -1,0 +1,76 @@
+"""Which requests hold cache rows and step together, and the queue in front of them.
+
+Requests wait in arrival order until a cache row is free; every request holding a row takes part in
+the next decoder forward, whatever its denoising step. A cancelled request leaves at the next loop
+iteration, waiting or not. `add` and `cancel` may be called from any thread; the rest runs on the
+engine's loop thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from dgemma.engine.request import Request, Status
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine accepts; retry later."""
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_queue: int):
+        self.max_queue = max_queue
+        self.free_rows = list(range(max_batch))
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # hold a row: stepped together
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()  # set when work arrives, for a serving loop that sleeps
+
+    # -- any thread --------------------------------------------------------------------------
+    def add(self, request: Request, *, bounded: bool = True):
+        """Queue a request; `bounded` enforces max_queue (QueueFull when the queue is full)."""
+        with self.lock:
+            if bounded and len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(request)
+        self.wakeup.set()
+
+    def cancel(self, request: Request):
+        request.cancel_requested = True
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.waiting or self.active)
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def take_cancelled(self) -> list[Request]:
+        """Cancelled requests, waiting ones first; the waiting ones leave the queue here, the active
+        ones when the engine releases their rows."""
+        with self.lock:
+            waiting = [r for r in self.waiting if r.cancel_requested]
+            for r in waiting:
+                self.waiting.remove(r)
+        return waiting + [r for r in self.active if r.cancel_requested]
+
+    def admit(self):
+        """Yield waiting requests, oldest first, each given a free row, for as long as rows are free."""
+        while self.free_rows:
+            with self.lock:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            request.row = self.free_rows.pop(0)
+            request.status = Status.DENOISING
+            self.active.append(request)
+            yield request
+
+    def release(self, request: Request) -> int | None:
+        """The request leaves the batch; returns the row it held (for the cache to reset), if any."""
+        if request in self.active:
+            self.active.remove(request)
+        row, request.row = request.row, None
+        if row is not None:
+            self.free_rows.append(row)
+        return row

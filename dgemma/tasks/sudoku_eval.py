@@ -1,0 +1,162 @@
+"""Solving sudoku puzzles with a model and scoring the answers: what `dgemma sudoku solve | eval` run.
+
+Diffusion decoding goes through the engine, one request per puzzle with its own seed (seed + i), and
+records from the drafts when each cell settled and how often an accepted cell was changed later; the
+AR baseline decodes left to right. Either way an answer is exactly one canvas of 81 cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dgemma.tasks import sudoku
+
+CELLS = sudoku.SudokuVocab.canvas_length
+MAX_LENGTH = 1 + CELLS + CELLS  # BOS and the puzzle, then the answer canvas
+
+
+def sudoku_sampling(model, seed: int, **overrides):
+    """The model's sampler settings for one 81-cell answer; `overrides` are SamplingConfig fields (None
+    keeps the model's value)."""
+    # One canvas is the whole answer, so no EOS ends it early: a cell the model fills with a non-digit
+    # token is simply a wrong cell (and the givens of a clamped run stay in place).
+    return model.sampling_config.replace(max_new_tokens=CELLS, seed=seed, eos_token_ids=(),
+                                         pad_token_id=sudoku.SudokuVocab.PAD, **overrides)
+
+
+def givens_template(puzzle) -> tuple[torch.Tensor, torch.Tensor]:
+    """Givens fixed through the canvas template: (fixed (81,) bool, tokens (81,) long)."""
+    filled = [v if v else 1 for v in puzzle]  # blanks get a placeholder that the mask ignores
+    return torch.tensor([v != 0 for v in puzzle]), torch.tensor(sudoku.encode_solution(filled))
+
+
+def answer_grid(tokens: list[int]):
+    """The grid an answer's tokens spell (cells it did not reach are blank)."""
+    return sudoku.decode_canvas(list(tokens) + [sudoku.SudokuVocab.PAD] * (CELLS - len(tokens)))
+
+
+class SettleTracker:
+    """Per puzzle, from the draft events: when each cell's argmax reached its final value for good, and
+    how often an accepted token was later replaced (self-correction)."""
+
+    def __init__(self):
+        self.history: list[list[int]] = []  # argmax canvas per step
+        self.accepted: list[list[bool]] = []
+
+    def add(self, event):
+        self.history.append(event.tokens)
+        self.accepted.append(event.accepted)
+
+    def settle_steps(self) -> list[int]:
+        """Per cell, the 1-based step from which it stayed accepted with its final token: when it got fixed.
+        (Nothing is locked for good in a uniform-state sampler, so "fixed" means "never changed again".)"""
+        final = self.history[-1]
+        steps = []
+        for cell in range(CELLS):
+            step = len(self.history)
+            while step > 0 and self.accepted[step - 1][cell] and self.history[step - 1][cell] == final[cell]:
+                step -= 1
+            steps.append(step + 1)
+        return steps
+
+    def corrections(self) -> tuple[int, int]:
+        """(accepted cells whose token differs from the committed one, accepted cells): over all steps."""
+        final = self.history[-1]
+        changed = total = 0
+        for tokens, accepted in zip(self.history, self.accepted):
+            for cell in range(CELLS):
+                if accepted[cell]:
+                    total += 1
+                    changed += tokens[cell] != final[cell]
+        return changed, total
+
+
+@dataclass
+class Evaluation:
+    scores: dict  # sudoku.score: solved per bucket and overall with 95% intervals, cell accuracies
+    decoding: dict = field(default_factory=dict)  # diffusion only: steps, cells per forward, corrections
+    settle: list[float] | None = None  # diffusion only: mean step at which each blank cell got fixed
+
+
+def evaluate(model, puzzles, *, batch: int, sampling=None, clamp: bool = False, seed: int = 0,
+             run=None) -> Evaluation:
+    """Solve every puzzle and score the answers. `sampling` (see `sudoku_sampling`) decodes by diffusion
+    through the engine, `batch` puzzles at a time; None decodes with the AR baseline, greedily.
+    `run(engine, requests)` steps the engine until the requests are done (default: without a display)."""
+    if sampling is None:
+        return _evaluate_ar(model, puzzles, batch)
+    from dgemma.engine import Engine, Request
+
+    engine = Engine(model, max_batch=batch, max_length=MAX_LENGTH, max_queue=len(puzzles))
+    trackers = [SettleTracker() for _ in puzzles]
+    requests = []
+    for i, p in enumerate(puzzles):
+        fixed, tokens = givens_template(p) if clamp else (None, None)
+        requests.append(Request(prompt=sudoku.encode_prompt(p), sampling=sampling, seed=seed + i, fixed=fixed,
+                                fixed_tokens=tokens, want_drafts=True,
+                                on_event=lambda e, t=trackers[i]: t.add(e) if e.kind == "draft" else None))
+    for r in requests:
+        engine.submit(r)
+    (run or Engine.run_until_done)(engine, requests)
+
+    steps = forwards_tokens = corrections = accepted_total = 0
+    settle, blank_count = [0.0] * CELLS, [0] * CELLS  # summed over the puzzles where the cell is blank
+    for r, t in zip(requests, trackers):
+        steps += sum(r.steps_per_canvas)
+        forwards_tokens += r.committed_non_pad
+        changed, total = t.corrections()
+        corrections += changed
+        accepted_total += total
+        for cell, s in enumerate(t.settle_steps()):
+            if r.prompt[1 + cell] == sudoku.SudokuVocab.BLANK:
+                settle[cell] += s
+                blank_count[cell] += 1
+    settle = [s / n if n else float("nan") for s, n in zip(settle, blank_count)]
+    scores = sudoku.score(puzzles, [answer_grid(r.tokens) for r in requests])
+    decoding = {
+        "mean_denoising_steps": steps / len(puzzles),
+        "tokens_per_forward": forwards_tokens / steps if steps else 0.0,
+        "accepted_later_changed": corrections / accepted_total if accepted_total else 0.0,
+        "mean_fix_step_of_blank_cells": [round(s, 2) for s in settle],
+    }
+    return Evaluation(scores, decoding, settle)
+
+
+def _evaluate_ar(model, puzzles, batch: int) -> Evaluation:
+    from dgemma.generation import generate_ar
+
+    answers = []
+    for i in range(0, len(puzzles), batch):
+        chunk = puzzles[i : i + batch]
+        answers += generate_ar(model, [sudoku.encode_prompt(p) for p in chunk], CELLS,
+                               eos_token_ids=())  # exactly 81 cells, as the diffusion canvas
+    return Evaluation(sudoku.score(puzzles, [answer_grid(a) for a in answers]))
+
+
+def plot_settle(settle: list[float], num_puzzles: int, path):
+    """A 9x9 heat map of the mean step at which each blank cell got fixed for good, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.array(settle).reshape(9, 9)
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    im = ax.imshow(grid, cmap="viridis")
+    for r in range(9):
+        for c in range(9):
+            ax.text(c, r, f"{grid[r, c]:.1f}", ha="center", va="center", fontsize=7, color="w")
+    for k in (2.5, 5.5):
+        ax.axhline(k, color="w", lw=1.5)
+        ax.axvline(k, color="w", lw=1.5)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(f"Mean step at which a blank cell is fixed for good\n"
+                 f"(accepted with its final digit; {num_puzzles} puzzles)", fontsize=10)
+    fig.colorbar(im, ax=ax, label="step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
