@@ -45,6 +45,7 @@ class Request:
     fixed: torch.Tensor | None = None  # (W,) bool: canvas template over generated positions
     fixed_tokens: torch.Tensor | None = None  # (W,) long
     want_drafts: bool = False
+    constraint: object | None = None  # a dgemma.structured.TokenAutomaton: the answer is in its language
     on_event: Callable[[Event], None] | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
@@ -60,6 +61,7 @@ class Request:
     soft: torch.Tensor | None = None  # (L, H) self-conditioning embedding of the last step, or None
     canvas_fixed: torch.Tensor | None = None  # (L,) slice of the template for the current canvas
     canvas_fixed_tokens: torch.Tensor | None = None
+    answer: object | None = None  # dgemma.structured.ConstrainedAnswer while a constrained request runs
     cancel_requested: bool = False
 
     # output and statistics
