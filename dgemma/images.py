@@ -213,6 +213,18 @@ def expand_image_tokens(ids: Sequence[int], num_soft_tokens: Sequence[int], *, i
     return out
 
 
+def prompt_with_images(ids: Sequence[int], images: Sequence[Image.Image], processor: ImageProcessor,
+                       config) -> tuple[list[int], ImageInputs | None]:
+    """A prompt holding one image placeholder per image (what a chat template writes for an image part),
+    and the images (`open_image`) -> the prompt with each placeholder expanded, and the images' inputs
+    (None without images). `config`: the model's (image_token_id, boi_token_id, eoi_token_id)."""
+    if not images:
+        return list(ids), None
+    inputs = processor(images)
+    return expand_image_tokens(ids, inputs.num_soft_tokens, image_token_id=config.image_token_id,
+                               boi_token_id=config.boi_token_id, eoi_token_id=config.eoi_token_id), inputs
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}

@@ -185,8 +185,10 @@ def _json_corpus(count: int = 400) -> list[str]:
     return lines
 
 
-def write_gemma_tokenizer(folder) -> dict:
-    """Write tokenizer.json + tokenizer_config.json; returns {"vocab_size", "eos_token_ids", "pad_token_id"}."""
+def write_gemma_tokenizer(folder, extra_specials: tuple[str, ...] = ()) -> dict:
+    """Write tokenizer.json + tokenizer_config.json; returns {"vocab_size", "eos_token_ids", "pad_token_id",
+    "ids"} (ids: the id of each of `extra_specials`, special tokens placed after all others so that the
+    ids of the rest do not move)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
@@ -202,17 +204,20 @@ def write_gemma_tokenizer(folder) -> dict:
     for token in sorted(learned["vocab"], key=learned["vocab"].get):
         vocab.setdefault(token, len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    for token in extra_specials:
+        vocab[token] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token=None))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_special_tokens(GEMMA_SPECIALS)
+    tok.add_special_tokens(GEMMA_SPECIALS + list(extra_specials))
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     for needed in ('":\u2581', ',\u2581"'):  # tokens that cross JSON boundaries, as Gemma's vocabulary has
         assert needed in vocab, f"the corpus no longer teaches {needed!r}"
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": GEMMA_CHAT_TEMPLATE}))
-    return {"vocab_size": len(vocab), "eos_token_ids": (1, vocab["<turn|>"]), "pad_token_id": 0}
+    return {"vocab_size": len(vocab), "eos_token_ids": (1, vocab["<turn|>"]), "pad_token_id": 0,
+            "ids": {t: vocab[t] for t in extra_specials}}
 
 
 @pytest.fixture(scope="session")
@@ -244,3 +249,75 @@ def gemma4_chat_model_dir(gemma_tokenizer_model_dir, tmp_path_factory):
     shutil.copytree(gemma_tokenizer_model_dir, folder)
     shutil.copy(Path(__file__).parent / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
     return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny model with Gemma 4's vision tower, written by transformers like the image parity tests' models:
+# the Gemma-shaped tokenizer plus Gemma 4's image tokens, the Gemma 4-style chat template (an image
+# content part becomes <|image|>) and a processor_config.json with a small soft-token budget.
+# ---------------------------------------------------------------------------------------------
+# GQA, two layers, 4-pixel patches pooled 2 x 2, clipped linears and standardisation on
+SMALL_VISION = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                    position_embedding_size=160, use_clipped_linears=True, standardize=True)
+IMAGE_SPECIALS = ("<|image|>", "<|image>", "<image|>")  # Gemma 4's placeholder, begin and end of an image
+SMALL_PROCESSOR = {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 70}
+
+
+@pytest.fixture(scope="session")
+def gemma4_vision_model_dir(tmp_path_factory):
+    """The tiny "alternating" text model with SMALL_VISION, every tensor perturbed, saved by transformers,
+    loaded and saved again by dgemma with EOS (<eos>, <turn|>), pad 0 and 8 denoising steps at most;
+    images take at most 70 soft tokens."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import dgemma
+
+    words = tmp_path_factory.mktemp("gemma4-vision-tokenizer")
+    info = write_gemma_tokenizer(words, IMAGE_SPECIALS)
+    image, boi, eoi = (info["ids"][t] for t in IMAGE_SPECIALS)
+    hf = make_hf_model(seed=5, vision=SMALL_VISION, image_token_id=image, boi_token_id=boi, eoi_token_id=eoi,
+                       text=dict(vocab_size=info["vocab_size"], max_position_embeddings=1024,
+                                 use_bidirectional_attention="vision"))
+    written = tmp_path_factory.mktemp("gemma4-vision-hf")
+    hf.save_pretrained(written)
+    model = dgemma.load_model(written)
+    assert model.vision_tower is not None
+    model.sampling_config = model.sampling_config.replace(
+        eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
+    folder = tmp_path_factory.mktemp("gemma4-vision") / "model"
+    dgemma.save_pretrained(model, folder)
+    write_gemma_tokenizer(folder, IMAGE_SPECIALS)
+    shutil.copy(Path(__file__).parent / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": SMALL_PROCESSOR}))
+    return folder
+
+
+def png_bytes(height: int = 37, width: int = 53, seed: int = 0) -> bytes:
+    """A PNG of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A decompression bomb's header: a small PNG whose IHDR chunk claims width x height pixels (the CRC
+    fixed, so only the pixel count is wrong)."""
+    import struct
+    import zlib
+
+    data = bytearray(png_bytes(8, 8))
+    ihdr = 8  # after the signature: length (4), "IHDR" (4), width, height, ...
+    assert data[ihdr + 4 : ihdr + 8] == b"IHDR"
+    data[ihdr + 8 : ihdr + 16] = struct.pack(">II", width, height)
+    body = bytes(data[ihdr + 4 : ihdr + 8 + 13])
+    data[ihdr + 8 + 13 : ihdr + 8 + 17] = struct.pack(">I", zlib.crc32(body))
+    return bytes(data)

@@ -1,4 +1,7 @@
-"""`dgemma chat`: a terminal conversation; each answer streams canvas by canvas."""
+"""`dgemma chat`: a terminal conversation; each answer streams canvas by canvas.
+
+`/image PATH` attaches an image to the next message (several may be attached); `/exit` ends the chat.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ class AnswerPrinter:
 def run(args):
     import rich.console
 
-    from dgemma.commands.generate import DraftView
+    from dgemma.commands.generate import DraftView, image_placeholder, open_images, user_content, with_images
     from dgemma.engine import Engine, Request
     from dgemma.serving.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
@@ -73,6 +76,7 @@ def run(args):
     template_kwargs = {"enable_thinking": True} if args.think else {}
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
+    images, attached = [], []  # every image of the conversation, in order; those for the next message
     turn = 0
     while True:
         if interactive:
@@ -84,8 +88,24 @@ def run(args):
             continue
         if line.strip() in ("/exit", "/quit"):
             return 0
-        messages.append({"role": "user", "content": line.strip()})
+        command, _, path = line.strip().partition(" ")
+        if command == "/image":
+            try:
+                image_placeholder(model, tokenizer)
+                if not path.strip():
+                    raise UsageError("/image needs the path of an image file")
+                attached += open_images([path.strip()])
+            except UsageError as e:
+                if not interactive:  # a script cannot correct itself
+                    raise
+                console.print(str(e), style="red", markup=False, highlight=False)
+                continue
+            console.print(f"image {len(images) + len(attached)} attached to the next message", style="dim")
+            continue
+        messages.append({"role": "user", "content": user_content(line.strip(), len(attached))})
+        images, attached = images + attached, []
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        prompt, image_inputs = with_images(model, args.model, prompt, images)
         room = (context - len(prompt)) // model.config.canvas_length * model.config.canvas_length  # whole canvases
         if room < 1:
             console.print("[red]the conversation no longer fits the model's context; start a new chat[/]")
@@ -102,7 +122,8 @@ def run(args):
                 printer.add(event.tokens)
 
         seed = (sampling.seed or 0) + turn
-        request = Request(prompt=prompt, sampling=budget, seed=seed, want_drafts=view is not None, on_event=on_event)
+        request = Request(prompt=prompt, sampling=budget, seed=seed, want_drafts=view is not None, on_event=on_event,
+                          images=image_inputs)
         engine.submit(request)
         if interactive:
             console.print("[bold]model>[/] ", end="")

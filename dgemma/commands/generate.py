@@ -20,6 +20,10 @@ def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--prompt", default=None, help="the prompt text; - reads standard input")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the model to read (repeatable, in order). With --chat the images open the "
+                        "user turn; without, each goes where the prompt writes the image placeholder (Gemma 4: "
+                        "<|image|>), or all before the prompt when it writes none")
     p.add_argument("--ar", action="store_true", help="decode left to right with the KV cache (AR baseline)")
     p.add_argument("--show-drafts", action="store_true", help="draw the canvas live while it denoises")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -74,10 +78,53 @@ class DraftView:
         self.live.update(text)
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+def user_content(text: str, images: int = 0):
+    """A user turn's content for the chat template: the text, after one image part per image."""
+    return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
+
+
+def encode_prompt(tokenizer, text: str, chat: bool, images: int = 0, placeholder: str | None = None) -> list[int]:
+    """The prompt's token ids, with one image placeholder per image: image content parts before the text
+    of the user turn (--chat), else the placeholders the text writes, or all of them in front of it."""
     if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.apply_chat_template([{"role": "user", "content": user_content(text, images)}],
+                                             add_generation_prompt=True)
+    if images and placeholder not in text:
+        text = placeholder * images + text
     return tokenizer.encode(text)
+
+
+def open_images(paths: list[str]) -> list:
+    """--image files as RGB images; an unusable one is a usage error naming it."""
+    from dgemma.images import ImageError, open_image
+
+    images = []
+    for path in paths:
+        try:
+            images.append(open_image(path))
+        except ImageError as e:
+            raise UsageError(f"--image {path}: {e}") from None
+    return images
+
+
+def image_placeholder(model, tokenizer) -> str:
+    """The text of the model's image placeholder token; a usage error for a model that reads no images."""
+    if model.vision_tower is None:
+        raise UsageError("this model has no vision tower: it cannot read images")
+    placeholder = tokenizer.backend.id_to_token(model.config.image_token_id)
+    if placeholder is None:
+        raise UsageError(f"the tokenizer has no token for the image placeholder id {model.config.image_token_id}")
+    return placeholder
+
+
+def with_images(model, folder, prompt: list[int], images: list):
+    """The prompt with its image placeholders expanded, and the images' inputs (None without images)."""
+    from dgemma.images import ImageError, ImageProcessor, prompt_with_images
+
+    try:
+        return prompt_with_images(prompt, images, ImageProcessor.from_folder(folder), model.config)
+    except ImageError as e:
+        raise UsageError(str(e)) from None
 
 
 def run(args):
@@ -86,12 +133,17 @@ def run(args):
 
     text = read_prompt(args.prompt)
     tokenizer = Tokenizer.from_folder(args.model)
-    constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema fails at once
+    constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema or image fails at once
+    images = open_images(args.image)
+    if images and args.ar:
+        raise UsageError("--image works with the diffusion sampler, not with --ar")
     model = load_from_args(args)
     sampling = sampling_from_args(model, args)
-    prompt = encode_prompt(tokenizer, text, args.chat)
+    placeholder = image_placeholder(model, tokenizer) if images else None
+    prompt = encode_prompt(tokenizer, text, args.chat, len(images), placeholder)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
+    prompt, image_inputs = with_images(model, args.model, prompt, images)
     context = model.config.max_position_embeddings
     if len(prompt) >= context:
         raise UsageError(f"the prompt is {len(prompt)} tokens; the model's context is {context}")
@@ -122,7 +174,7 @@ def run(args):
 
     seed = sampling.seed if sampling.seed is not None else int(time.time_ns() % (2**31))
     request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event,
-                      constraint=constraint)
+                      constraint=constraint, images=image_inputs)
     try:
         engine.submit(request)
     except ValueError as e:

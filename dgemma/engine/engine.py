@@ -14,7 +14,8 @@ Each iteration (`step`):
 Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
 request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s.
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
-exactly as the plain loop does it.
+exactly as the plain loop does it. A request's `images` are encoded with its prompt (the vision tower runs
+in its prefill) and released; from then on it steps like any other row.
 `submit` and `cancel` may be called from other threads; `step` runs on one.
 """
 
@@ -81,6 +82,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if request.constraint is not None and request.fixed is not None:
             raise ValueError("a canvas template and a constraint cannot be combined")
+        self._check_images(request)
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(
@@ -107,7 +109,8 @@ class Engine:
                 from dgemma.structured.answer import ConstrainedAnswer
 
                 r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
-            self.runner.prefill(r.row, r.prompt)
+            self.runner.prefill(r.row, r.prompt, r.images)
+            r.images = None  # the pixels are in the cache now
             self._start_canvas(r)
         if self.active:
             self._denoise_step()
@@ -117,9 +120,10 @@ class Engine:
             self.step()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int] | None = None,
-                 templates=None, constraints=None, on_event=None) -> list[Request]:
+                 templates=None, constraints=None, images=None, on_event=None) -> list[Request]:
         """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run.
-        constraints[i]: prompt i's TokenAutomaton (dgemma.structured) or None."""
+        constraints[i]: prompt i's TokenAutomaton (dgemma.structured) or None; images[i]: its ImageInputs
+        (dgemma.images) or None."""
         requests = []
         for i, prompt in enumerate(prompts):
             if seeds is not None:
@@ -131,7 +135,10 @@ class Engine:
             fixed, tokens = (templates[i] if templates is not None else (None, None))
             constraint = constraints[i] if constraints is not None else None
             requests.append(Request(prompt=list(prompt), sampling=sampling, seed=seed, fixed=fixed,
-                                    fixed_tokens=tokens, constraint=constraint, on_event=on_event))
+                                    fixed_tokens=tokens, constraint=constraint, on_event=on_event,
+                                    images=images[i] if images is not None else None))
+        for r in requests:
+            self._check_images(r)
         for r in requests:  # the engine's own queue bound does not apply to a direct batch call
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
@@ -147,6 +154,20 @@ class Engine:
         self.forwards = 0
 
     # -- internals -------------------------------------------------------------------------------
+    def _check_images(self, r: Request):
+        """Images the prefill would refuse are refused now, on the caller's thread (in the loop they would
+        fail every request in flight)."""
+        if r.images is None:
+            return
+        tower = self.model.vision_tower
+        if tower is None:
+            raise ValueError("this model has no vision tower: it does not read images")
+        soft = int(tower.check(r.images.pixel_values, r.images.image_position_ids).sum())
+        placeholders = sum(1 for t in r.prompt if t == self.model.config.image_token_id)
+        if placeholders != soft:
+            raise ValueError(f"the prompt holds {placeholders} image tokens for the {soft} soft tokens of its "
+                             f"{len(r.images.pixel_values)} images (dgemma.images.expand_image_tokens)")
+
     def _start_canvas(self, r: Request):
         L, device = self.canvas_length, self.model.device
         r.step_index = 0

@@ -46,6 +46,9 @@ class Request:
     fixed_tokens: torch.Tensor | None = None  # (W,) long
     want_drafts: bool = False
     constraint: object | None = None  # a dgemma.structured.TokenAutomaton: the answer is in its language
+    # dgemma.images.ImageInputs: the images whose soft tokens fill the prompt's image tokens, in order
+    # (released once the prompt is encoded)
+    images: object | None = None
     on_event: Callable[[Event], None] | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 

@@ -21,9 +21,14 @@ class Runner:
         return self.model.device
 
     @torch.no_grad()
-    def prefill(self, row: int, prompt: list[int]):
+    def prefill(self, row: int, prompt: list[int], images=None):
+        """Encode a prompt into its row; `images` (dgemma.images.ImageInputs) fill its image tokens, in the
+        same call (an image's tokens must be encoded together)."""
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        self.model.encode(ids, self.cache, rows=torch.tensor([row], device=self.device), return_logits=False)
+        pixels = {} if images is None else dict(pixel_values=images.pixel_values,
+                                                image_position_ids=images.image_position_ids)
+        self.model.encode(ids, self.cache, rows=torch.tensor([row], device=self.device), return_logits=False,
+                          **pixels)
 
     @torch.no_grad()
     def commit(self, rows: list[int], canvases: torch.Tensor):

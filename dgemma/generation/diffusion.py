@@ -90,6 +90,7 @@ def generate(
     on_draft: OnDraft | None = None,
     constraint=None,
     guide_steps: bool = True,
+    images=None,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -101,6 +102,8 @@ def generate(
     row; a constrained row's answer is in the automaton's language (or cut: finish reason "length").
     guide_steps=False constrains only the committed canvases, not the accepted samples of each step
     (for measuring what the per-step guidance does; the engine always guides).
+    `images`: a dgemma.images.ImageInputs holding the images of all prompts, row by row; their soft tokens
+    take the places of the prompts' image tokens (`expand_image_tokens`).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -135,7 +138,9 @@ def generate(
     # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each
     cache = model.new_cache(batch_size, input_ids.shape[1] + max_canvases * canvas_length)
-    model.encode(input_ids, cache, attention_mask=attention_mask, return_logits=False)
+    pixels = {} if images is None else dict(pixel_values=images.pixel_values,
+                                            image_position_ids=images.image_position_ids)
+    model.encode(input_ids, cache, attention_mask=attention_mask, return_logits=False, **pixels)
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)  # produced an EOS
     committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS

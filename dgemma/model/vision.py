@@ -149,17 +149,29 @@ class VisionTower(nn.Module):
         inv_freq = rope_inv_freq(half, self.config.rope_theta, 1.0, positions.device)
         return rope_tables(positions[..., 0], inv_freq, dtype), rope_tables(positions[..., 1], inv_freq, dtype)
 
+    def check(self, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The soft tokens (N,) each image becomes; ValueError for inputs `forward` cannot take (a caller
+        that runs the tower later, such as the engine's loop, checks them when they arrive)."""
+        c, k = self.config, self.config.pooling_kernel_size
+        if pixel_values.dim() != 3 or pixel_values.shape[-1] != 3 * c.patch_size**2:
+            raise ValueError(f"pixel_values must be (images, patches, {3 * c.patch_size**2}), "
+                             f"got {tuple(pixel_values.shape)}")
+        if positions.shape != (*pixel_values.shape[:2], 2):
+            raise ValueError(f"image_position_ids must be {(*pixel_values.shape[:2], 2)}, got {tuple(positions.shape)}")
+        if pixel_values.shape[1] % (k * k):
+            raise ValueError(f"{pixel_values.shape[1]} patch slots per image do not pool into {k}x{k} squares")
+        if positions.numel() and int(positions.max()) >= c.position_embedding_size:
+            raise ValueError(f"an image side of {int(positions.max()) + 1} patches exceeds the tower's "
+                             f"{c.position_embedding_size} positions")
+        return (positions != -1).any(dim=-1).sum(dim=-1) // (k * k)
+
     def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor):
         """pixel_values (N, P, 3 p^2), positions (N, P, 2) (column, row), -1 on padding slots ->
         soft tokens (N, S, D) and their mask (N, S) bool: image n has its first
         (real patches of n) / k^2 slots filled."""
         N, P, _ = pixel_values.shape
         k = self.config.pooling_kernel_size
-        if P % (k * k):
-            raise ValueError(f"{P} patch slots per image do not pool into {k}x{k} squares")
-        if int(positions.max()) >= self.config.position_embedding_size:
-            raise ValueError(f"an image side of {int(positions.max()) + 1} patches exceeds the tower's "
-                             f"{self.config.position_embedding_size} positions")
+        filled = self.check(pixel_values, positions)[:, None]  # (N, 1)
         padding = (positions == -1).all(dim=-1)  # (N, P)
         x = self.patch_embedder(pixel_values, positions, padding)
         rope = self.rope(positions, x.dtype)
@@ -180,7 +192,6 @@ class VisionTower(nn.Module):
         soft = pooled.to(dtype).float() * math.sqrt(D)
         if self.config.standardize:
             soft = (soft - self.std_bias.float()) * self.std_scale.float()
-        filled = (~padding).sum(dim=-1, keepdim=True) // (k * k)  # (N, 1)
         return soft.to(dtype), torch.arange(S, device=soft.device) < filled
 
 
