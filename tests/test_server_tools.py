@@ -99,8 +99,8 @@ def test_tool_choice_none_keeps_the_declarations(client, tokenizer):
     messages = [{"role": "user", "content": "Weather?"}]
     counts = [client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice,
                                              max_tokens=16, seed=1).usage.prompt_tokens for choice in ("none", "auto")]
-    assert counts[0] == counts[1] == len(tokenizer.encode(_prompt(tokenizer, {"messages": messages, "tools": [WEATHER]}),
-                                                          add_special_tokens=False))
+    prompt = _prompt(tokenizer, {"messages": messages, "tools": [WEATHER]})
+    assert counts[0] == counts[1] == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 # -- n choices ------------------------------------------------------------------------------------------
