@@ -159,6 +159,11 @@ BAD = [
      "expected a JSON object in a string"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"logprobs": True, "top_logprobs": 2}, "logprobs are not available"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "a required or named tool_choice writes the answer itself"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs: cannot build the token automaton"),
+    ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "cannot both shape"),
 ]
 
 
