@@ -92,6 +92,12 @@ class ImageInputs:
     image_position_ids: torch.Tensor  # (N, P, 2) long: (column, row) of each patch, (-1, -1) on padding
     num_soft_tokens: list[int]  # per image: the image tokens its placeholder expands to
 
+    @staticmethod
+    def cat(parts: Sequence["ImageInputs"]) -> "ImageInputs":
+        """Batches of the same processor, one after the other (e.g. the images of several prompts)."""
+        return ImageInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_position_ids for p in parts]),
+                           [n for p in parts for n in p.num_soft_tokens])
+
 
 @dataclass(frozen=True)
 class ImageProcessor:

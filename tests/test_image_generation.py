@@ -89,9 +89,7 @@ def test_the_plain_loop_takes_a_batch_of_prompts_with_images(vision_model, proce
     image = model.config.image_token_id
     first, a = image_prompt(model, processor, [2, 40, image, 41], [picture(37, 53)])
     second, b = image_prompt(model, processor, [2, image, 43], [picture(90, 20, 1)])
-    both = ImageInputs(torch.cat([a.pixel_values, b.pixel_values]),
-                       torch.cat([a.image_position_ids, b.image_position_ids]), a.num_soft_tokens + b.num_soft_tokens)
-    result = generate(model, [first, [2, 46, 47], second], sampling(model), seed=3, images=both)
+    result = generate(model, [first, [2, 46, 47], second], sampling(model), seed=3, images=ImageInputs.cat([a, b]))
     assert all(result.tokens) and result.sequences.shape[0] == 3
 
 

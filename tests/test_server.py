@@ -297,7 +297,9 @@ BAD_BODIES = [
     ({"messages": []}, "messages is empty"),
     ({"messages": "hello"}, "messages: Input should be a valid list"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     'an image_url part is {"type": "image_url", "image_url": {"url": URL}}'),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "only text and image_url content parts"),
     ({"max_tokens": -1}, "max_tokens: Input should be greater than or equal to 1"),
     ({"max_tokens": "ten"}, "max_tokens: Input should be a valid integer"),
     ({"max_tokens": 10**12}, "max_tokens 1000000000000 does not fit"),
@@ -397,6 +399,14 @@ def test_unknown_routes_and_methods_use_the_error_shape(server):
     assert response.status_code == 404 and "error" in response.json()
     response = httpx.get(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 405 and "error" in response.json()
+
+
+def test_a_model_without_a_vision_tower_refuses_images(client):
+    assert client.models.retrieve(MODEL).model_extra["dgemma"]["images"] == {"accepted": False}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, [image, {"type": "text", "text": "hello"}])
+    assert "this model has no vision tower" in error.value.body["message"]
 
 
 def test_bad_input_left_the_server_healthy(server, client):

@@ -24,7 +24,14 @@ def add_arguments(p):
                    help="requests allowed to wait for a batch slot; more get HTTP 429 with Retry-After")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="positions per request, prompt plus output (default: the model's context, at most 8192)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, help="larger request bodies get HTTP 413")
+    p.add_argument("--max-body-bytes", type=positive_int, default=None,
+                   help="larger request bodies get HTTP 413 (default 4 MiB; 32 MiB for a model that reads images, "
+                        "which arrive base64-encoded in the body)")
+    p.add_argument("--max-images-per-request", type=positive_int, default=8,
+                   help="chat requests with more images get HTTP 400")
+    p.add_argument("--allowed-image-domains", default="", metavar="HOST,HOST",
+                   help="hosts whose http(s) image URLs the server may fetch for a client (exact names, comma "
+                        "separated; default none: images come as data URLs)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level ('info' logs every request)")
 
@@ -53,6 +60,7 @@ def run(args):
     context = model.config.max_position_embeddings
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
+    images = _image_reader(args, folder, model) if task == "text" else None
     worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
     if model.decoder_compiled:
         print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
@@ -63,7 +71,7 @@ def run(args):
     name = args.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists() else folder.resolve().name)
     state = ServerState(worker=worker, codec=codec, model_name=name, sampling=model.sampling_config,
                         canvas_length=model.config.canvas_length, api_key=args.api_key or None,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images)
 
     # Bind and listen before uvicorn starts, so the port is known (--port 0) and clients that connect
     # early wait in the backlog instead of being refused.
@@ -79,10 +87,27 @@ def run(args):
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     if args.host not in ("127.0.0.1", "localhost", "::1") and state.api_key is None:
         print("dgemma serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
-    print(f"dgemma serve: {name} ({codec.task}, batch {args.max_batch}, queue {args.max_queue}) "
+    print(f"dgemma serve: {name} ({codec.task}{', images' if images else ''}, batch {args.max_batch}, "
+          f"queue {args.max_queue}) "
           f"on http://{host}:{port}", flush=True)
 
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _image_reader(args, folder: Path, model):
+    """How the server takes images for this model, or None when it has no vision tower."""
+    from dgemma.images import ImageError, ImageProcessor
+    from dgemma.serving.image_urls import ImageLimits, ImageReader
+
+    if model.vision_tower is None:
+        return None
+    domains = frozenset(d.strip().lower() for d in args.allowed_image_domains.split(",") if d.strip())
+    try:
+        processor = ImageProcessor.from_folder(folder)
+    except ImageError as e:
+        raise UsageError(f"{folder}: image processor settings: {e}") from None
+    return ImageReader(processor, model.config,
+                       ImageLimits(max_images=args.max_images_per_request, allowed_domains=domains))

@@ -5,7 +5,8 @@ Routes
   GET  /health                {"status": "ok", "active", "waiting", ...}; no API key needed
   GET  /v1/models             the one served model, with a `dgemma` field (task, canvas, defaults)
   POST /v1/completions        prompt -> text; stream: true for server-sent events
-  POST /v1/chat/completions   messages -> reply, through the model's chat template
+  POST /v1/chat/completions   messages -> reply, through the model's chat template; user messages may
+                              hold images (image_url parts) when the model has a vision tower
 
 A request becomes one engine request per choice (`n`, see worker.py); its committed canvases become
 text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgemma.config import ConfigError, SamplingConfig
 from dgemma.serving.chat_output import ChatOutput
 from dgemma.serving.codec import Codec, PromptError, TextAssembler
+from dgemma.serving.image_urls import ImageReader
 from dgemma.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -64,6 +66,7 @@ class ServerState:
     canvas_length: int
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    images: ImageReader | None = None  # None: the model reads no images
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -117,10 +120,13 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse(ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
         _check_model(state, body.model)
         template_kwargs = body.template_kwargs()
+        images = await _images(state, body)
         prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
+        if images is not None:
+            prompt = state.images.expand(prompt, images)
         constraint = await _tool_constraint(state, body, template_kwargs)
         return await _generate(state, request, body, prompt, body.token_limit, chat=True,
-                               parse_tools=body.tool_mode != "none", constraint=constraint)
+                               parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
 
     app.include_router(v1)
     return app
@@ -181,6 +187,17 @@ def _encode(encode, *args) -> list[int]:
     if not prompt:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
     return prompt
+
+
+async def _images(state: ServerState, body: ChatCompletionRequest):
+    """The request's images as the model reads them (dgemma.images.ImageInputs), or None without images."""
+    urls = body.image_urls()
+    if not urls:
+        return None
+    if state.images is None:
+        raise bad_request("messages: this model has no vision tower: it does not accept images", param="messages",
+                          code="images_not_supported")
+    return await state.images.read(urls)
 
 
 def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None) -> SamplingConfig:
@@ -262,13 +279,13 @@ class Choice:
 
 
 async def _generate(state: ServerState, request: Request, body, prompt: list[int], max_tokens: int | None,
-                    *, chat: bool, parse_tools: bool = False, constraint=None):
+                    *, chat: bool, parse_tools: bool = False, constraint=None, images=None):
     sampling = _sampling_for(state, body, prompt, max_tokens)
     answer_format = await _constraint_for(state, body)
     if answer_format is not None and constraint is not None:
         raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
                           "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
-    streams = _submit(state, body, prompt, sampling, constraint or answer_format)
+    streams = _submit(state, body, prompt, sampling, constraint or answer_format, images)
     decode = state.codec.decode_chat if chat else state.codec.decode
     choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
                       ChatOutput(parse_tools) if chat else None) for i, stream in enumerate(streams)]
@@ -291,7 +308,8 @@ async def _generate(state: ServerState, request: Request, body, prompt: list[int
     return writer.response(answers, counts, stats)
 
 
-def _submit(state: ServerState, body, prompt: list[int], sampling: SamplingConfig, constraint) -> list[RequestStream]:
+def _submit(state: ServerState, body, prompt: list[int], sampling: SamplingConfig, constraint,
+            images=None) -> list[RequestStream]:
     """One engine request per choice, seeds seed, seed+1, ... (random when none is given); all or none."""
     n = body.choices
     if n > state.worker.max_queue:
@@ -301,7 +319,7 @@ def _submit(state: ServerState, body, prompt: list[int], sampling: SamplingConfi
     try:
         for i in range(n):
             streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63, constraint=constraint,
-                                               want_drafts=body.include_drafts))
+                                               want_drafts=body.include_drafts, images=images))
     except QueueFull as e:
         _cancel_all(state.worker, streams)
         raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
@@ -442,6 +460,7 @@ def _model_card(state: ServerState) -> dict:
     s = state.sampling
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dgemma",
             "dgemma": {"task": state.codec.task, "canvas_length": state.canvas_length,
+                       "images": state.images.card() if state.images is not None else {"accepted": False},
                        "vocab_size": state.codec.vocab_size, "max_length": state.worker.max_length,
                        "max_batch": state.worker.max_batch, "max_queue": state.worker.max_queue,
                        "defaults": {"steps": s.max_denoising_steps, "entropy_bound": s.entropy_bound,

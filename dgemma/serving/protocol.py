@@ -6,6 +6,9 @@ OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties,
 accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs, echo,
 suffix, best_of) are rejected instead of silently ignored.
 
+Chat content may hold images: {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} parts
+in user messages (read by image_urls.py).
+
 response_format: {"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object),
 or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}} (the answer
 validates against the schema; the supported subset is in dgemma.structured.schema and docs/serving.md).
@@ -213,19 +216,30 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 FunctionName = _strict(str, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
-def _text_parts(value):
-    """A string, or a list of {"type": "text", "text": ...} parts (joined); null is empty text."""
+def _content_parts(value):
+    """A string, or a list of parts: {"type": "text", "text": ...} and {"type": "image_url", "image_url":
+    {"url": ...}} (or the URL as a plain string, as some clients send it). Text alone is joined into one
+    string; with images, a list of {"type": "text", "text"} and {"type": "image_url", "url"}. Null is ""."""
     if value is None or isinstance(value, str):
         return value or ""
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"only text content parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ValueError("expected a string or a list of text parts")
+    if not isinstance(value, list):
+        raise ValueError("expected a string or a list of content parts")
+    parts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": URL}}')
+            parts.append({"type": "image_url", "url": url})
+        else:
+            raise ValueError(f"only text and image_url content parts are supported, got {kind!r}")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 class FunctionCall(BaseModel):
@@ -255,7 +269,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
-    content: str = ""
+    content: str | list[dict[str, str]] = ""  # a list only when it holds images (`_content_parts`)
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: calls it made
     tool_call_id: StrictStr | None = None  # tool: the call this message answers
@@ -263,11 +277,13 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value):
-        return _text_parts(value)
+    def _parts(cls, value):
+        return _content_parts(value)
 
     @model_validator(mode="after")
     def _fields_of_the_role(self):
+        if isinstance(self.content, list) and self.role != "user":
+            raise ValueError("only user messages carry images")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
@@ -355,7 +371,9 @@ class ChatCompletionRequest(_Generation):
         names: dict[str, str] = {}
         messages = []
         for m in self.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            content = m.content if isinstance(m.content, str) else [  # the template writes its image placeholder
+                {"type": "image"} if p["type"] == "image_url" else p for p in m.content]
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
             if m.tool_calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                     "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
@@ -369,6 +387,11 @@ class ChatCompletionRequest(_Generation):
                 message["reasoning_content"] = m.reasoning_content
             messages.append(message)
         return messages
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the image parts of all messages, in order (the order of the template's placeholders)."""
+        return [p["url"] for m in self.messages if isinstance(m.content, list) for p in m.content
+                if p["type"] == "image_url"]
 
     def unsupported(self):
         if self.logprobs or self.top_logprobs is not None:

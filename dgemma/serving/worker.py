@@ -106,11 +106,12 @@ class EngineWorker:
 
     # -- requests (event-loop thread) ------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling, *, seed: int | None = None, want_drafts: bool = False,
-               constraint=None) -> RequestStream:
-        """Queue a request (constraint: a dgemma.structured.TokenAutomaton or None); raises QueueFull, or
-        ValueError when it cannot fit the cache."""
+               constraint=None, images=None) -> RequestStream:
+        """Queue a request (constraint: a dgemma.structured.TokenAutomaton or None; images: the prompt's
+        dgemma.images.ImageInputs or None); raises QueueFull, or ValueError when it cannot fit the cache."""
         seed = secrets.randbits(63) if seed is None else seed
-        request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts, constraint=constraint)
+        request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts, constraint=constraint,
+                          images=images)
         stream = RequestStream(request, asyncio.get_running_loop())
         request.on_event = lambda event: self._on_event(stream, event)
         # Never hold our lock while the engine takes its own: the engine thread reports events (and so
