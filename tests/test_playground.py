@@ -166,6 +166,7 @@ def test_playground_streams_the_canvas_and_the_text(tiny_model_dir, browser):
         browser.wait_for("document.body.dataset.state === 'idle'")
         assert browser.js("document.getElementById('model-name').textContent") == MODEL
         assert browser.js("document.querySelectorAll('#canvas .cell').length") == 16
+        assert browser.js("document.getElementById('image-input').hidden") is True  # a text-only model
 
         # many fixed steps, so the run lasts long enough to watch it from outside
         steps, max_tokens = 120, 48
@@ -296,6 +297,46 @@ def test_playground_json_schema_tool_calls_and_thoughts(gemma4_chat_model_dir, b
         browser.js("document.getElementById('run').click()")
         browser.wait_for("document.body.dataset.state === 'error'")
         assert "the JSON schema is not valid JSON" in browser.js("document.getElementById('error').textContent")
+        assert browser.page_errors() == []
+    finally:
+        server.stop()
+
+
+def set_files(browser: Browser, element_id: str, paths: list[str]):
+    """Pick files in a file input, as the user's file dialog would (the page gets its change event)."""
+    element = browser.call("Runtime.evaluate", expression=f"document.getElementById({json.dumps(element_id)})",
+                           session=True)["result"]
+    browser.call("DOM.setFileInputFiles", files=paths, objectId=element["objectId"], session=True)
+
+
+def test_playground_attaches_an_image(gemma4_vision_model_dir, tmp_path, browser):
+    from conftest import png_bytes
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png_bytes(37, 53))
+    server = ServerProcess(gemma4_vision_model_dir, api_key=None)
+    try:
+        browser.open(server.url + "/")
+        browser.wait_for("document.body.dataset.state === 'idle'")
+        assert browser.js("document.getElementById('image-input').hidden") is False
+        set_files(browser, "image", [str(picture)])
+        browser.wait_for("playground.images.length === 1 && document.querySelectorAll('#image-previews img').length")
+        url = browser.js("playground.images[0]")
+        assert url == "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+        run_page(browser, prompt="what is it?", seed="3", **{"max-tokens": "32"})
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]
+        expected = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], seed=3, max_tokens=32)
+        assert browser.js("document.getElementById('output').textContent") == expected.choices[0].message.content
+        browser.screenshot(ARTIFACTS / "playground-image.png")
+
+        # without the chat template the page says why it sends nothing; removed, the images are gone
+        browser.js("document.getElementById('chat').checked = false")
+        browser.js("document.getElementById('run').click()")
+        browser.wait_for("document.body.dataset.state === 'error'")
+        assert "images go in a chat message" in browser.js("document.getElementById('error').textContent")
+        browser.js("document.getElementById('clear-images').click()")
+        browser.wait_for("playground.images.length === 0 && !document.querySelector('#image-previews img')")
         assert browser.page_errors() == []
     finally:
         server.stop()

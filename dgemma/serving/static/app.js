@@ -29,6 +29,7 @@ const playground = {
   draftFrames: 0,     // drafts drawn in this run (tests read it)
   stepsSeen: [],      // "canvas:step" of every draft drawn in this run
   toolCalls: [],      // the tool calls of this run: {id, name, arguments}
+  images: [],         // data URLs of the attached images, in order
 };
 window.playground = playground;
 
@@ -65,6 +66,9 @@ async function loadModel() {
   document.body.dataset.task = playground.task;
   $("text-input").hidden = playground.task === "sudoku";
   $("sudoku-input").hidden = playground.task !== "sudoku";
+  const images = playground.model.dgemma.images;
+  $("image-input").hidden = !(images && images.accepted);
+  if (!$("image-input").hidden) $("model-task").textContent += " · images";
   if (playground.task === "sudoku" && !$("puzzle").value) $("puzzle").value = EXAMPLE_PUZZLE;
   if (playground.task === "sudoku") $("max-tokens").disabled = true;  // an answer is always 81 cells
   buildGrid(playground.task === "sudoku" ? 81 : playground.model.dgemma.canvas_length);
@@ -185,14 +189,40 @@ function requestBody() {
     body.response_format = { type: "json_schema", json_schema: { name: "answer", schema, strict: true } };
   }
   const text = $("prompt").value;
-  if (!$("chat").checked) return ["/v1/completions", { ...body, prompt: text }];
+  if (!$("chat").checked) {
+    if (playground.images.length) throw new Error("images go in a chat message: tick 'use the chat template'");
+    return ["/v1/completions", { ...body, prompt: text }];
+  }
   const tools = jsonField("tools", "the tools");
   if (tools !== undefined) {
     body.tools = tools;
     body.tool_choice = $("tool-choice").value;
   }
   if ($("think").checked) body.reasoning_effort = "medium";
-  return ["/v1/chat/completions", { ...body, messages: [{ role: "user", content: text }] }];
+  const images = playground.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  const content = images.length ? [...images, { type: "text", text }] : text;
+  return ["/v1/chat/completions", { ...body, messages: [{ role: "user", content }] }];
+}
+
+// -- images --------------------------------------------------------------------------------------------
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachImages() {
+  playground.images = await Promise.all([...$("image").files].map(readAsDataURL));
+  $("image-previews").replaceChildren(...playground.images.map((url) => {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "attached image";
+    return img;
+  }));
 }
 
 async function run() {
@@ -300,6 +330,13 @@ $("form").addEventListener("submit", (event) => {
   run();
 });
 $("stop").addEventListener("click", () => playground.controller && playground.controller.abort());
+$("image").addEventListener("change", () => attachImages().catch((error) => {
+  $("error").textContent = `cannot read the image: ${error.message}`;
+}));
+$("clear-images").addEventListener("click", () => {
+  $("image").value = "";
+  attachImages();
+});
 $("example").addEventListener("click", () => { $("puzzle").value = EXAMPLE_PUZZLE; });
 $("example-tools").addEventListener("click", () => {
   $("tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
