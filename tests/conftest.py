@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -38,6 +39,17 @@ TINY_TEXT_CONFIGS = {
 }
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a block with n torch threads (beside a busy server, two spinning OpenMP threads crawl on two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def perturb_every_tensor(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -141,23 +141,18 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """The same request run alone in this process: prompt ids -> (tokens, finish_reason)."""
-    import torch
-
     import dgemma
     from dgemma.engine import Engine
     from dgemma.tokenizer import Tokenizer
+    from tests.conftest import torch_threads
 
     model = dgemma.load_model(tiny_model_dir)
     tokenizer = Tokenizer.from_folder(tiny_model_dir)
 
     def run(prompt: list[int], seed: int, **sampling):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # beside a busy server, two spinning OpenMP threads crawl on two cores
-        try:
+        with torch_threads(1):
             request = Engine(model, max_batch=1, max_length=256).generate(
                 [prompt], model.sampling_config.replace(**sampling), seeds=[seed])[0]
-        finally:
-            torch.set_num_threads(threads)
         return tokenizer.decode(request.tokens), request
 
     run.tokenizer = tokenizer

@@ -12,15 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import torch
 
 import dgemma
 from dgemma.engine import Engine
 from dgemma.images import ImageProcessor, open_image, prompt_with_images
 from dgemma.serving.codec import TextCodec
 from dgemma.tokenizer import Tokenizer
-from tests.conftest import png_bytes, png_claiming
-from tests.test_server import MODEL, ServerProcess
+from tests.conftest import png_bytes, png_claiming, torch_threads
+from test_server import MODEL, ServerProcess
 
 PNG = png_bytes(37, 53)
 QUESTION = "what is it?"
@@ -36,15 +35,13 @@ def image_message(*urls: str, text: str = QUESTION, plain: bool = False) -> dict
 
 
 @pytest.fixture(scope="module")
-def server(gemma4_vision_model_dir):
-    s = ServerProcess(gemma4_vision_model_dir, "--max-batch", "4", "--max-images-per-request", "2")
-    yield s
-    s.stop_cleanly()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+def client(gemma4_vision_model_dir):
+    """The official client of a server that takes at most two images per request."""
+    server = ServerProcess(gemma4_vision_model_dir, "--max-batch", "4", "--max-images-per-request", "2")
+    client = server.client()
+    client.server = server
+    yield client
+    server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +58,9 @@ def reference(gemma4_vision_model_dir):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": content}])
         prompt, inputs = prompt_with_images(ids, [open_image(b) for b in images], processor, model.config)
         sampling = model.sampling_config.replace(max_new_tokens=max_tokens, eos_token_ids=eos)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # beside a busy server
-        try:
+        with torch_threads(1):
             (request,) = Engine(model, max_batch=1, max_length=512).generate([prompt], sampling, seeds=[seed],
                                                                               images=[inputs])
-        finally:
-            torch.set_num_threads(threads)
         return tokenizer.decode(request.tokens), request, len(prompt)
 
     return run
@@ -151,8 +144,8 @@ def test_bad_content_parts_are_400(client, messages, message):
     assert message in error.value.body["message"]
 
 
-def test_the_server_is_healthy_after_bad_images(server, client):
-    assert server.health()["status"] == "ok"
+def test_the_server_is_healthy_after_bad_images(client):
+    assert client.server.health()["status"] == "ok"
     assert ask(client, image_message(data_url(PNG)), seed=1, max_tokens=16).choices[0].finish_reason
 
 
