@@ -35,6 +35,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # 48-megapixel photo, ~150 MB once decoded, where a decompression bomb would ask for gigabytes.
 DEFAULT_MAX_PIXELS = 50_000_000
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the budgets Gemma 4 was trained with
+# The formats images are read in: the common raster ones (JPEG includes a camera's multi-picture MPO).
+# Pillow can open many more, some through outside programs (EPS runs Ghostscript), which untrusted input
+# from a server's clients must not reach.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 class ImageError(ValueError):
@@ -42,7 +46,7 @@ class ImageError(ValueError):
 
 
 def open_image(source: bytes | str | Path | BinaryIO, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode an image file (bytes, a path or a binary file object) into an RGB PIL image.
+    """Decode an image file (bytes, a path or a binary file object; one of IMAGE_FORMATS) into an RGB PIL image.
 
     The pixel count is read from the header and checked before anything is decoded, so a small file that
     claims a huge image (a decompression bomb) costs nothing. Any other failure (not an image, truncated
@@ -54,7 +58,7 @@ def open_image(source: bytes | str | Path | BinaryIO, *, max_pixels: int = DEFAU
         with warnings.catch_warnings():
             # Pillow warns above its own limit and raises above twice it; ours is checked just below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(source)
+            image = Image.open(source, formats=IMAGE_FORMATS)
         width, height = image.size
         if width * height > max_pixels:
             raise ImageError(f"image of {width}x{height} pixels exceeds the limit of {max_pixels:,} pixels")
@@ -70,7 +74,7 @@ def open_image(source: bytes | str | Path | BinaryIO, *, max_pixels: int = DEFAU
     except FileNotFoundError:
         raise ImageError(f"no such image file: {source}") from None
     except UnidentifiedImageError:
-        raise ImageError("not an image (or an image format Pillow cannot read)") from None
+        raise ImageError(f"not an image, or not in a format read here ({', '.join(IMAGE_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
         raise ImageError(f"cannot decode image: {e}") from None
 

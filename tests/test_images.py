@@ -137,4 +137,12 @@ def test_bad_images_raise_one_clear_error(tmp_path):
         open_image(good[: len(good) // 2])  # truncated
     with pytest.raises(ImageError, match="no such image file"):
         open_image(tmp_path / "missing.png")
+    pcx = io.BytesIO()
+    random_image(8, 8).save(pcx, "PCX")  # Pillow reads it, but only the common formats are let through
+    with pytest.raises(ImageError, match="not in a format read here"):
+        open_image(pcx.getvalue())
+    for kind in ("WEBP", "GIF", "BMP", "TIFF"):
+        data = io.BytesIO()
+        random_image(8, 8).save(data, kind)
+        assert open_image(data.getvalue()).size == (8, 8)
     assert isinstance(ImageError("x"), ValueError)
