@@ -9,12 +9,14 @@ schema's automaton is built (timed), then on random logits of one canvas:
   * guide:  the per-step guidance of a constrained row (a constrained sample: forward filtering,
             backward sampling over the canvas);
   * commit: the committing DP (Viterbi over (position, state), once per canvas).
+build_s is the automaton's build in CPU seconds (outlines-core's Index, then our token classes).
 Part 2, what the per-step guidance does, on the tiny Gemma-shaped model (random weights): the plain loop
 with guidance at every step against guidance at commit only, same seeds: validity, denoising steps per
 canvas, and how often the committed token is the model's own argmax at the committing step.
 
     python benchmarks/structured.py            # about 5 minutes on 2 CPU cores (the 262k build dominates)
     python benchmarks/structured.py --quick    # without the 262,144-token vocabulary
+    python benchmarks/structured.py --part guidance   # part 2 only (or --part cost)
 
 Prints a table, then one JSON line.
 """
@@ -89,9 +91,9 @@ def cost_row(name: str, vocab, canvas: int, repeats: int, model=None) -> dict:
     from dgemma.sampling import sampler_step
     from dgemma.structured import constrained_canvas, constrained_sample, json_schema_constraint
 
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: on a shared machine, wall time says more about the neighbours
     automaton = json_schema_constraint(SCHEMA, vocab)
-    build_s = time.perf_counter() - start
+    build_s = time.process_time() - start
     V = vocab.size
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, canvas, V, generator=generator) * 3
@@ -173,8 +175,21 @@ def main():
     parser.add_argument("--quick", action="store_true", help="leave out the 262,144-token vocabulary")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=12, help="answers per guidance setting in part 2")
+    parser.add_argument("--part", choices=["all", "cost", "guidance"], default="all")
     args = parser.parse_args()
+    rows, guidance = [], []
+    if args.part != "guidance":
+        rows = cost_table(args)
+    if args.part != "cost":
+        guidance = guidance_rows(args.seeds)
+        print()
+        print(" | ".join(guidance[0]))
+        for row in guidance:
+            print(" | ".join(str(v) for v in row.values()))
+    print(json.dumps({"threads": torch.get_num_threads(), "cost": rows, "guidance": guidance}))
 
+
+def cost_table(args) -> list[dict]:
     import dgemma
     from conftest import write_gemma_tokenizer
     from dgemma.structured import TokenVocabulary
@@ -195,12 +210,7 @@ def main():
     print(" | ".join(columns))
     for row in rows:
         print(" | ".join(str(row[c]) for c in columns))
-    guidance = guidance_rows(args.seeds)
-    print()
-    print(" | ".join(guidance[0]))
-    for row in guidance:
-        print(" | ".join(str(v) for v in row.values()))
-    print(json.dumps({"threads": torch.get_num_threads(), "cost": rows, "guidance": guidance}))
+    return rows
 
 
 if __name__ == "__main__":
