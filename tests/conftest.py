@@ -71,20 +71,22 @@ def unperturbed_tensors(model: torch.nn.Module, fresh: torch.nn.Module) -> list[
     return [n for n, t in fresh.state_dict().items() if t.is_floating_point() and torch.equal(ours[n], t)]
 
 
-def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None):
+def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None,
+              text: dict | None = None, **top):
+    """`text` overrides text_config fields, `top` the top-level ones (image token ids, ...)."""
     from transformers import DiffusionGemmaConfig
 
-    return DiffusionGemmaConfig(text_config=dict(TINY_TEXT_CONFIGS[name]), vision_config=dict(vision or TINY_VISION),
-                                canvas_length=canvas_length)
+    return DiffusionGemmaConfig(text_config={**TINY_TEXT_CONFIGS[name], **(text or {})},
+                                vision_config=dict(vision or TINY_VISION), canvas_length=canvas_length, **top)
 
 
-def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0):
+def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0, **config):
     """A transformers DiffusionGemmaForBlockDiffusion with random weights and every parameter and buffer
     perturbed (`perturb_every_tensor`): each stack's layer scalars differ, norms and scales are not 1."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length)).eval()
+    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length, **config)).eval()
     return perturb_every_tensor(model, seed)
 
 
@@ -228,4 +230,17 @@ def gemma_tokenizer_model_dir(tmp_path_factory):
         eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
     dgemma.save_pretrained(model, folder)  # (it empties the folder first)
     write_gemma_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gemma4_chat_model_dir(gemma_tokenizer_model_dir, tmp_path_factory):
+    """The Gemma-shaped model with a chat template that writes Gemma 4's format: turns, thinking, tool
+    declarations, calls and results (tests/data/gemma4_chat_template.jinja)."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("gemma4-chat") / "model"
+    shutil.copytree(gemma_tokenizer_model_dir, folder)
+    shutil.copy(Path(__file__).parent / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
     return folder
