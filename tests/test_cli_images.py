@@ -49,7 +49,8 @@ def test_generate_with_an_image_equals_the_engine(gemma4_vision_model_dir, pictu
     ids = encode_prompt(tok, "what is it?", True, 1, "<|image|>")
     prompt, inputs = prompt_with_images(ids, [open_image(picture)], ImageProcessor.from_folder(gemma4_vision_model_dir),
                                         model.config)
-    assert out["prompt_tokens"] == len(prompt) == len(ids) - 1 + inputs.num_soft_tokens[0] + 2  # <|image> n x <|image|> <image|>
+    # the placeholder became <|image>, one <|image|> per soft token, <image|>
+    assert out["prompt_tokens"] == len(prompt) == len(ids) - 1 + inputs.num_soft_tokens[0] + 2
     sampling = model.sampling_config.replace(max_new_tokens=32)
     with torch.no_grad():
         (request,) = Engine(model, max_batch=1, max_length=256).generate([prompt], sampling, seeds=[5], images=[inputs])
