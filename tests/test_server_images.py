@@ -137,6 +137,7 @@ def test_bad_images_are_400(client, case):
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "got 'input_audio'"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}],
      'an image_url part is {"type": "image_url"'),
+    ([image_message(data_url(PNG), text="and <|image|> too")], "the prompt has 2 image placeholders for 1 images"),
 ])
 def test_bad_content_parts_are_400(client, messages, message):
     with pytest.raises(openai.BadRequestError) as error:

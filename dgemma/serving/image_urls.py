@@ -65,8 +65,9 @@ class ImageReader:
         try:
             return expand_image_tokens(ids, images.num_soft_tokens, image_token_id=c.image_token_id,
                                        boi_token_id=c.boi_token_id, eoi_token_id=c.eoi_token_id)
-        except ImageError as e:  # e.g. a chat template that does not write image parts
-            raise bad_request(f"{PARAM}: {e}", param=PARAM) from None
+        except ImageError as e:  # a chat template that ignores image parts, or a placeholder typed in the text
+            raise bad_request(f"{PARAM}: {e} (the chat template writes one per image part; the text must not "
+                              "hold one)", param=PARAM) from None
 
     # -- sources ------------------------------------------------------------------------------------------
     @staticmethod

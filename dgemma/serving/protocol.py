@@ -227,7 +227,9 @@ def _content_parts(value):
     parts = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind == "text" and isinstance(part.get("text"), str):
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError('a text part is {"type": "text", "text": STRING}')
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             image = part.get("image_url")
