@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import jinja2
 import jinja2.ext
@@ -47,6 +47,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self._compiled_template: jinja2.Template | None = None
+        self._special_ids: frozenset[int] | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -95,7 +96,14 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True, keep: Collection[int] = ()) -> str:
+        """Token ids to text. `keep`: special tokens written out even while the others are skipped (the
+        marks of a chat format, such as Gemma 4's `<|tool_call>`, which a parser must see)."""
+        if keep and skip_special_tokens:
+            if self._special_ids is None:
+                self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+            ids = [t for t in ids if t not in self._special_ids or t in keep]
+            skip_special_tokens = False
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

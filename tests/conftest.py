@@ -145,3 +145,100 @@ def tiny_model_dir(tmp_path_factory):
     dgemma.save_pretrained(model, folder)
     assert write_tiny_tokenizer(folder) <= config.vocab_size
     return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny model folder whose tokenizer has Gemma's shape: SentencePiece-style BPE over '▁'-joined
+# text (no pre-tokenizer, so merges cross word and JSON boundaries: '":▁', ',▁"'), byte-fallback
+# tokens <0x00>..<0xFF> (characters outside its small alphabet, e.g. 'ü' or '日', are written as
+# their UTF-8 bytes), Gemma 4's special tokens and a Gemma 4-style chat template. For structured
+# output and tool-call tests.
+# ---------------------------------------------------------------------------------------------
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", '<|"|>', "<|tool_call>", "<tool_call|>",
+                  "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|channel>", "<channel|>",
+                  "<|think|>"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def _json_corpus(count: int = 400) -> list[str]:
+    """JSON-ish lines for training merges (ASCII plus 'é'), written with ', ' and ': ' as people do."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    names = ["name", "age", "city", "tags", "id", "items", "value", "ok", "color", "size", "note", "café"]
+    words = ["Paris", "Ada", "red", "blue", "small", "large", "yes", "no", "hello world", "the cat", "é"]
+    lines = []
+    for _ in range(count):
+        obj = {}
+        for key in rng.sample(names, rng.randint(1, 4)):
+            kind = rng.random()
+            obj[key] = (rng.choice(words) if kind < 0.4 else rng.randint(0, 999) if kind < 0.6 else
+                        [rng.choice(words) for _ in range(rng.randint(0, 3))] if kind < 0.8 else
+                        rng.choice([True, False, None]))
+        lines.append(json.dumps(obj, ensure_ascii=False))
+    return lines
+
+
+def write_gemma_tokenizer(folder) -> dict:
+    """Write tokenizer.json + tokenizer_config.json; returns {"vocab_size", "eos_token_ids", "pad_token_id"}."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    alphabet = [chr(c) for c in range(32, 127) if chr(c) != " "] + ["\u2581", "é"]
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + 160, initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                  show_progress=False)
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.train_from_iterator(_json_corpus(), trainer)
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token=None))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(GEMMA_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    for needed in ('":\u2581', ',\u2581"'):  # tokens that cross JSON boundaries, as Gemma's vocabulary has
+        assert needed in vocab, f"the corpus no longer teaches {needed!r}"
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": GEMMA_CHAT_TEMPLATE}))
+    return {"vocab_size": len(vocab), "eos_token_ids": (1, vocab["<turn|>"]), "pad_token_id": 0}
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer_model_dir(tmp_path_factory):
+    """Random tiny DiffusionGemma (canvas 16) with a Gemma-shaped tokenizer (~430 tokens, model vocab to match),
+    EOS ids (<eos>, <turn|>) and pad 0; 8 denoising steps at most so tests stay fast."""
+    import dgemma
+
+    folder = tmp_path_factory.mktemp("gemma-tokenizer-model")
+    info = write_gemma_tokenizer(tmp_path_factory.mktemp("gemma-tokenizer"))
+    config = dgemma.get_preset("tiny").replace(vocab_size=info["vocab_size"], max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(config)
+    model.sampling_config = model.sampling_config.replace(
+        eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
+    dgemma.save_pretrained(model, folder)  # (it empties the folder first)
+    write_gemma_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gemma4_chat_model_dir(gemma_tokenizer_model_dir, tmp_path_factory):
+    """The Gemma-shaped model with a chat template that writes Gemma 4's format: turns, thinking, tool
+    declarations, calls and results (tests/data/gemma4_chat_template.jinja)."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("gemma4-chat") / "model"
+    shutil.copytree(gemma_tokenizer_model_dir, folder)
+    shutil.copy(Path(__file__).parent / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
+    return folder

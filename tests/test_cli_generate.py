@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -142,3 +143,24 @@ def test_only_generating_commands_change_the_allocator(monkeypatch, tmp_path):
     assert dgemma.cli.main(["bench", "--glibc-malloc-defaults", "--batch", "0"]) == 2  # asked to leave it
     assert dgemma.cli.main(["bench", "--batch", "0"]) == 2
     assert calls == [True, True]
+
+
+def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_model_dir):
+    import rich.console
+
+    from dgemma.commands.chat import AnswerPrinter
+    from dgemma.serving.codec import TextCodec
+    from dgemma.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)
+    tokens = tokenizer.encode("<|channel>thought\nThe user is nice.<channel|>Hello Ada", add_special_tokens=False)
+    screen = io.StringIO()
+    printer = AnswerPrinter(TextCodec(tokenizer, tokenizer.vocab_size),
+                            rich.console.Console(file=screen, force_terminal=True, color_system="standard"))
+    for start in range(0, len(tokens), 3):  # canvases of three tokens
+        printer.add(tokens[start:start + 3])
+    assert printer.finish() == "Hello Ada"
+    shown = screen.getvalue()
+    dimmed = re.compile("\x1b\\[2m(.*?)\x1b\\[0m", re.S)  # SGR 2: faint
+    assert "".join(dimmed.findall(shown)) == "The user is nice."
+    assert dimmed.sub("", shown) == "\nHello Ada"  # the reply, plain, on a line of its own

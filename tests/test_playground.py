@@ -232,3 +232,69 @@ def test_playground_sudoku_mode(tmp_path, browser):
         browser.screenshot(ARTIFACTS / "playground-sudoku.png")
     finally:
         server.stop()
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer"}}, "required": ["city"]}}}
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "label": {"type": "string", "maxLength": 8}},
+         "required": ["x", "label"], "additionalProperties": False}
+
+
+def run_page(browser: Browser, **fields):
+    """Fill the page's fields (id -> value; True/False tick a box), run, wait for the end."""
+    for element_id, value in fields.items():
+        if isinstance(value, bool):
+            browser.js(f"document.getElementById({json.dumps(element_id)}).checked = {json.dumps(value)}")
+        else:
+            fill(browser, element_id, value)
+    browser.js("document.getElementById('run').click()")
+    browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", timeout=120)
+    assert browser.js("document.body.dataset.state") == "done", browser.js("document.getElementById('error').textContent")
+
+
+def test_playground_json_schema_tool_calls_and_thoughts(gemma4_chat_model_dir, browser):
+    server = ServerProcess(gemma4_chat_model_dir, api_key=None)
+    try:
+        client = server.client()
+        browser.open(server.url + "/")
+        browser.wait_for("document.body.dataset.state === 'idle'")
+        common = {"prompt": "Weather in Paris?", "steps": "3", "max-tokens": "64"}
+        api = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=64,
+                   extra_body={"steps": 3})
+
+        # a JSON schema: the text is the same valid JSON the API gives for that seed
+        run_page(browser, **common, seed="5", **{"json-schema": json.dumps(POINT)})
+        text = browser.js("document.getElementById('output').textContent")
+        expected = client.chat.completions.create(seed=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": POINT}}, **api)
+        assert text == expected.choices[0].message.content and json.loads(text).keys() == {"x", "label"}
+        browser.screenshot(ARTIFACTS / "playground-json-schema.png")
+
+        # tools, a required call and thinking: thoughts in their box, calls listed, as the API answers
+        tools = {"tools": json.dumps([WEATHER_TOOL]), "json-schema": "", "think": True}
+        browser.js("document.getElementById('tool-choice').value = 'required'")
+        answers = {seed: client.chat.completions.create(seed=seed, tools=[WEATHER_TOOL], tool_choice="required",
+                                                        reasoning_effort="medium", **api).choices[0].message
+                   for seed in range(6)}
+        seed = next(s for s, m in answers.items() if (m.model_extra or {}).get("reasoning_content"))
+        run_page(browser, **common, **tools, seed=str(seed))
+        calls = browser.js("playground.toolCalls")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in answers[seed].tool_calls]
+        assert browser.js("document.querySelectorAll('#tool-calls li').length") == len(calls)
+        assert browser.js("document.getElementById('thoughts-box').hidden") is False
+        assert browser.js("document.getElementById('thoughts').textContent") == \
+            answers[seed].model_extra["reasoning_content"]
+        assert browser.js("document.getElementById('output').textContent") == ""
+        browser.screenshot(ARTIFACTS / "playground-tool-calls.png")
+
+        # a schema that is not JSON is refused on the page, before anything is sent
+        fill(browser, "json-schema", "{not json")
+        browser.js("document.getElementById('run').click()")
+        browser.wait_for("document.body.dataset.state === 'error'")
+        assert "the JSON schema is not valid JSON" in browser.js("document.getElementById('error').textContent")
+        assert browser.page_errors() == []
+    finally:
+        server.stop()

@@ -88,6 +88,12 @@ class ServerProcess:
             time.sleep(0.02)
         raise AssertionError(f"server still busy after {timeout}s: {self.health()}")
 
+    def stop_cleanly(self):
+        """Stop, and check that it ended as uvicorn does on SIGTERM, without a traceback."""
+        self.stop()
+        errors = self.proc.stderr.read()
+        assert self.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -124,10 +130,7 @@ PUZZLE = "5300700006001950000980000608000600034008030017000200060600002800004190
 def server(tiny_model_dir):
     s = ServerProcess(tiny_model_dir, "--max-batch", "4", "--max-queue", "16", "--max-body-bytes", "65536")
     yield s
-    s.stop()
-    errors = s.proc.stderr.read()
-    # uvicorn shuts down cleanly on SIGTERM, then exits by the same signal
-    assert s.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+    s.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +314,11 @@ BAD_BODIES = [
     ({"stream": True, "stream_options": {"include_drafts": "please"}}, "stream_options.include_drafts"),
     ({"stream_options": {"include_drafts": True}}, "only allowed with stream: true"),
     ({"stop": [1, 2]}, "stop: expected a non-empty string"),
-    ({"n": 2}, "only n=1"),
+    ({"n": 0}, "n: Input should be greater than or equal to 1"),
+    ({"n": 17}, "n: Input should be less than or equal to 16"),
+    ({"n": 2.0}, "n: Input should be a valid integer"),
+    ({"logprobs": True}, "logprobs are not available: a diffusion model commits a whole canvas"),
+    ({"top_logprobs": 2}, "top_logprobs: logprobs are not available"),
     ({"model": "gpt-4"}, "model 'gpt-4' does not exist"),
     ({"messages": [{"role": "user", "content": " ".join(["hello"] * 300)}]}, "the context holds 256"),
     ({"messages": [{"role": "user", "content": " ".join(["hello"] * 230)}], "max_tokens": 40},

@@ -4,6 +4,7 @@ detection, and an engine failure that must fail its requests but not the worker.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -31,7 +32,7 @@ def ids(text):
 
 
 def test_text_arrives_whole_and_stops_at_stop_strings():
-    a = TextAssembler(CharCodec(), stop=["STOP"])
+    a = TextAssembler(CharCodec().decode, stop=["STOP"])
     assert a.add(ids("hello ST")) == "hello "  # "ST" may begin "STOP": held back
     assert a.add(ids("ART ")) == "START "  # it did not
     assert a.add(ids("caf") + [0]) == "caf"  # half a character waits for its other half
@@ -39,11 +40,31 @@ def test_text_arrives_whole_and_stops_at_stop_strings():
     assert a.add(ids("P and more")) == ""  # the stop string completed across canvases
     assert a.stopped and a.flush() == ""
 
-    b = TextAssembler(CharCodec(), stop=["xy", "zzz"])
+    b = TextAssembler(CharCodec().decode, stop=["xy", "zzz"])
     assert b.add(ids("abz")) == "ab"
     assert b.flush() == "z"  # the request ended: nothing can complete the stop string any more
-    c = TextAssembler(CharCodec(), stop=[])
+    c = TextAssembler(CharCodec().decode, stop=[])
     assert c.add(ids("no stops")) == "no stops" and c.flush() == ""
+
+
+def test_byte_fallback_runs_are_sent_once_settled(gemma_tokenizer_model_dir):
+    """Byte tokens decode as one run: "é" (C3 A9) becomes three U+FFFD when a stray byte joins its run in
+    the next canvas. The run's text waits until another token closes it, so the deltas add up to the
+    decoded whole however the canvases cut."""
+    from dgemma.serving.codec import TextCodec
+    from dgemma.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)
+    codec = TextCodec(tokenizer, tokenizer.vocab_size)
+    byte = {b: tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0x80, 0xE6, 0x97)}
+    words = tokenizer.encode("ab", add_special_tokens=False), tokenizer.encode("cd", add_special_tokens=False)
+    tokens = [*words[0], byte[0xC3], byte[0xA9], byte[0x80], *words[1], byte[0xE6], byte[0x97], *words[0]]
+    whole = codec.decode(tokens)
+    assert "\ufffd\ufffd\ufffd" in whole  # the run C3 A9 80 is not UTF-8: one U+FFFD per byte
+    for cuts in itertools.combinations(range(1, len(tokens)), 2):
+        assembler = TextAssembler(codec.decode, [], codec.unsettled)
+        pieces = [assembler.add(tokens[a:b]) for a, b in zip((0, *cuts), (*cuts, len(tokens)))]
+        assert "".join(pieces) + assembler.flush() == whole, cuts
 
 
 def test_a_slow_reader_gets_the_newest_draft_and_every_canvas():

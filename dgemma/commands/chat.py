@@ -17,14 +17,47 @@ def add_arguments(p):
     add_model_arguments(p)
     p.add_argument("--system", default=None, help="a system message to start the conversation")
     p.add_argument("--show-drafts", action="store_true", help="draw each canvas live while it denoises")
+    p.add_argument("--think", action="store_true",
+                   help="let the model think before it answers (Gemma 4's thinking mode); thoughts show dimmed")
     add_sampling_arguments(p)
+
+
+class AnswerPrinter:
+    """Prints an answer canvas by canvas: thoughts dimmed, then the reply; keeps the reply for the history
+    (earlier thoughts are not sent back to the model, as Gemma 4's template drops them anyway)."""
+
+    def __init__(self, codec, console):
+        from dgemma.serving.chat_output import ChatOutput
+        from dgemma.serving.codec import TextAssembler
+
+        self.console = console
+        self.assembler = TextAssembler(codec.decode_chat, [], codec.unsettled)
+        self.output = ChatOutput(parse_tools=False)
+        self.last = None  # the kind of the last part shown
+
+    def add(self, tokens: list[int]):
+        self._show(self.output.add(self.assembler.add(tokens)))
+
+    def finish(self) -> str:
+        """The answer ended: show what was held back; returns the reply without its thoughts."""
+        self._show(self.output.add(self.assembler.flush()) + self.output.finish())
+        return self.output.message()["content"] or ""
+
+    def _show(self, parts):
+        for kind, text in parts:
+            if kind == "content" and self.last == "reasoning":
+                self.console.print()
+            self.console.print(text, style="dim" if kind == "reasoning" else None, end="", markup=False,
+                               highlight=False)
+            self.last = kind
 
 
 def run(args):
     import rich.console
 
-    from dgemma.commands.generate import DraftView, TextStream
+    from dgemma.commands.generate import DraftView
     from dgemma.engine import Engine, Request
+    from dgemma.serving.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
 
     model = load_from_args(args)
@@ -35,6 +68,9 @@ def run(args):
     context = model.config.max_position_embeddings
     engine = Engine(model, max_batch=1, max_length=context)
     console = rich.console.Console(stderr=True)
+    out = rich.console.Console(soft_wrap=True)  # the answers, on standard output
+    codec = TextCodec(tokenizer, model.config.vocab_size)
+    template_kwargs = {"enable_thinking": True} if args.think else {}
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     turn = 0
@@ -49,20 +85,21 @@ def run(args):
         if line.strip() in ("/exit", "/quit"):
             return 0
         messages.append({"role": "user", "content": line.strip()})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         room = (context - len(prompt)) // model.config.canvas_length * model.config.canvas_length  # whole canvases
         if room < 1:
             console.print("[red]the conversation no longer fits the model's context; start a new chat[/]")
             return 2
-        budget = sampling.replace(max_new_tokens=min(sampling.max_new_tokens, room))
-        stream = TextStream(tokenizer)
+        eos = tuple(dict.fromkeys([*sampling.eos_token_ids, *sorted(codec.answer_ends)]))
+        budget = sampling.replace(max_new_tokens=min(sampling.max_new_tokens, room), eos_token_ids=eos)
+        printer = AnswerPrinter(codec, out)
         view = DraftView(tokenizer, console) if args.show_drafts else None
 
-        def on_event(event, stream=stream, view=view):
+        def on_event(event, printer=printer, view=view):
             if event.kind == "draft" and view is not None:
                 view.update(event)
             elif event.kind == "canvas":
-                stream.add(event.tokens)
+                printer.add(event.tokens)
 
         seed = (sampling.seed or 0) + turn
         request = Request(prompt=prompt, sampling=budget, seed=seed, want_drafts=view is not None, on_event=on_event)
@@ -74,6 +111,7 @@ def run(args):
                 engine.run_until_done([request])
         else:
             engine.run_until_done([request])
-        print(flush=True)
-        messages.append({"role": "assistant", "content": tokenizer.decode(request.tokens)})
+        reply = printer.finish()
+        out.print()
+        messages.append({"role": "assistant", "content": reply})
         turn += 1

@@ -23,6 +23,10 @@ def add_arguments(p):
     p.add_argument("--ar", action="store_true", help="decode left to right with the KV cache (AR baseline)")
     p.add_argument("--show-drafts", action="store_true", help="draw the canvas live while it denoises")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="answer with JSON valid under this JSON schema (supported subset: docs/serving.md)")
+    structured.add_argument("--json-object", action="store_true", help="answer with a JSON object")
     add_sampling_arguments(p)
 
 
@@ -81,8 +85,9 @@ def run(args):
     from dgemma.tokenizer import Tokenizer
 
     text = read_prompt(args.prompt)
-    model = load_from_args(args)
     tokenizer = Tokenizer.from_folder(args.model)
+    constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema fails at once
+    model = load_from_args(args)
     sampling = sampling_from_args(model, args)
     prompt = encode_prompt(tokenizer, text, args.chat)
     if not prompt:
@@ -92,6 +97,8 @@ def run(args):
         raise UsageError(f"the prompt is {len(prompt)} tokens; the model's context is {context}")
 
     if args.ar:
+        if constraint is not None:
+            raise UsageError("--json-schema / --json-object work with the diffusion sampler, not with --ar")
         return _run_ar(args, model, tokenizer, prompt, sampling)
 
     import rich.console
@@ -114,7 +121,8 @@ def run(args):
             stream.add(event.tokens)
 
     seed = sampling.seed if sampling.seed is not None else int(time.time_ns() % (2**31))
-    request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event)
+    request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event,
+                      constraint=constraint)
     try:
         engine.submit(request)
     except ValueError as e:
@@ -135,6 +143,30 @@ def run(args):
               f"{stats['tokens_per_forward']:.1f} tokens/forward, {stats['tokens_per_second']:.1f} tokens/s, "
               f"finish: {request.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def constraint_from_args(args, tokenizer):
+    """The TokenAutomaton --json-schema FILE / --json-object ask for, or None."""
+    if args.json_schema is None and not args.json_object:
+        return None
+    from dgemma.cli import UsageError
+    from dgemma.structured import (
+        ConstraintError,
+        SchemaError,
+        TokenVocabulary,
+        json_object_constraint,
+        json_schema_constraint,
+    )
+
+    vocabulary = TokenVocabulary.from_tokenizer(tokenizer)  # ids past the tokenizer's are never allowed
+    try:
+        if args.json_object:
+            return json_object_constraint(vocabulary)
+        with open(args.json_schema) as f:
+            text = f.read()
+        return json_schema_constraint(text, vocabulary)
+    except (SchemaError, ConstraintError) as e:
+        raise UsageError(f"--json-schema {args.json_schema}: {e}") from None
 
 
 def _run_ar(args, model, tokenizer, prompt, sampling):

@@ -17,6 +17,8 @@ and leave when scored.
 
 Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
 request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s.
+A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
+exactly as the plain loop does it.
 `submit` and `cancel` may be called from other threads; `step` runs on one.
 """
 
@@ -104,6 +106,8 @@ class Engine:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit: the engine holds "
                                  f"{self.max_length} positions")
             return
+        if request.constraint is not None and request.fixed is not None:
+            raise ValueError("a canvas template and a constraint cannot be combined")
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(
@@ -129,6 +133,10 @@ class Engine:
                 to_score.append(r)
                 continue
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
+            if r.constraint is not None:
+                from dgemma.structured.answer import ConstrainedAnswer
+
+                r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
             self.runner.prefill(r.row, r.prompt)
             self._start_canvas(r)
         if to_score:
@@ -147,8 +155,9 @@ class Engine:
             self.step()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int] | None = None,
-                 templates=None, on_event=None) -> list[Request]:
-        """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run."""
+                 templates=None, constraints=None, on_event=None) -> list[Request]:
+        """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run.
+        constraints[i]: prompt i's TokenAutomaton (dgemma.structured) or None."""
         requests = []
         for i, prompt in enumerate(prompts):
             if seeds is not None:
@@ -158,8 +167,9 @@ class Engine:
             else:
                 seed = int(torch.randint(0, 2**62, ()).item())
             fixed, tokens = (templates[i] if templates is not None else (None, None))
+            constraint = constraints[i] if constraints is not None else None
             requests.append(Request(prompt=list(prompt), sampling=sampling, seed=seed, fixed=fixed,
-                                    fixed_tokens=tokens, on_event=on_event))
+                                    fixed_tokens=tokens, constraint=constraint, on_event=on_event))
         for r in requests:  # the engine's own queue bound does not apply to a direct batch call
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
@@ -223,11 +233,16 @@ class Engine:
             result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
                                   fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
             r.canvas, r.argmax = result.canvas[0], result.argmax[0]
+            budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
+            if r.answer is not None:  # as the plain loop: accepted positions take tokens of a valid answer
+                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_logits[0], budget, r.generator)
             stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
                                             r.canvas_fixed)
             r.step_index += 1
             r.forward_passes += 1
             finished = r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps)
+            if finished and r.answer is not None:  # commit the most probable valid canvas, not the argmax
+                r.argmax = r.answer.commit(row_logits[0], budget)
             if not finished:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
@@ -272,7 +287,7 @@ class Engine:
         r.finish_reason = reason
         r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
         r.t_done = time.perf_counter()
-        r.soft = r.canvas = r.history = None
+        r.soft = r.canvas = r.history = r.answer = None
         row = self.scheduler.release(r)
         if row is not None:
             self.runner.free([row])

@@ -52,6 +52,7 @@ class Request:
     # A scoring request is not continued: its prompt's log-probabilities are computed (engine/scoring.py)
     # with this many most likely alternatives per position (at least 1: the token after the prompt).
     score_top: int | None = None
+    constraint: object | None = None  # a dgemma.structured.TokenAutomaton: the answer is in its language
     on_event: Callable[[Event], None] | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
@@ -67,6 +68,7 @@ class Request:
     soft: torch.Tensor | None = None  # (L, H) self-conditioning embedding of the last step, or None
     canvas_fixed: torch.Tensor | None = None  # (L,) slice of the template for the current canvas
     canvas_fixed_tokens: torch.Tensor | None = None
+    answer: object | None = None  # dgemma.structured.ConstrainedAnswer while a constrained request runs
     cancel_requested: bool = False
 
     # output and statistics

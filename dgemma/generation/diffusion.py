@@ -11,6 +11,10 @@ Block diffusion, one canvas of L = `canvas_length` tokens at a time:
             stop the row when its argmax canvas is stable and its mean entropy is low
         commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
 
+With a constraint (dgemma.structured), a row's accepted positions take tokens from a valid answer at
+every step and it commits the most probable canvas its automaton accepts instead of the argmax
+(dgemma.structured.answer says how).
+
 Semantics follow transformers' `DiffusionGemmaForBlockDiffusion.generate`: prompts are left-padded and
 positions are column indices (a padded row's tokens sit at later positions, its padding is masked out);
 rows that stopped denoising are frozen but still computed with the batch; a row that produced an EOS
@@ -84,6 +88,8 @@ def generate(
     canvas_template: CanvasTemplate | None = None,
     on_canvas: OnCanvas | None = None,
     on_draft: OnDraft | None = None,
+    constraint=None,
+    guide_steps: bool = True,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -91,6 +97,10 @@ def generate(
     Randomness: one torch.Generator on the model's device seeded with `seed`, else `sampling.seed`, else a
     seed drawn from torch's global RNG (so torch.manual_seed makes the call reproducible); same seed,
     device and batch -> same tokens. `sampling.fixed_steps` runs exactly max_denoising_steps per canvas.
+    `constraint`: a dgemma.structured.TokenAutomaton for every row, or a list with one (or None) per
+    row; a constrained row's answer is in the automaton's language (or cut: finish reason "length").
+    guide_steps=False constrains only the committed canvases, not the accepted samples of each step
+    (for measuring what the per-step guidance does; the engine always guides).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -116,6 +126,7 @@ def generate(
     pad_id = sampling.pad_token_id
     eos_ids = torch.tensor(sampling.eos_token_ids, dtype=torch.long, device=device)
     template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
+    answers = _constrained_answers(constraint, batch_size, sampling, template, guide_steps)
 
     if seed is None:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -137,7 +148,7 @@ def generate(
             template.fixed, template.tokens, canvas_index, canvas_length)
         argmax, steps = denoise_canvas(
             model, cache, sampling, generator, frozen=finished, fixed=fixed, fixed_tokens=fixed_tokens,
-            on_draft=on_draft,
+            on_draft=on_draft, answers=answers, budget=columns_left(max_new_tokens, canvas_index, canvas_length),
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
@@ -200,11 +211,15 @@ def denoise_canvas(
     fixed: torch.Tensor | None = None,
     fixed_tokens: torch.Tensor | None = None,
     on_draft: OnDraft | None = None,
+    answers: list | None = None,
+    budget: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise one canvas at positions cache.length .. cache.length+L-1.
 
     frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed.
-    Returns (argmax canvas (B, L) long, denoising steps each row ran (B,) long).
+    answers[b] (a dgemma.structured ConstrainedAnswer, or None) constrains row b; budget = the tokens
+    each row may still write. Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
+    row's chosen canvas; denoising steps each row ran (B,) long).
     """
     batch_size, device = frozen.shape[0], frozen.device
     shape = (batch_size, model.config.canvas_length)
@@ -217,6 +232,7 @@ def denoise_canvas(
     steps = torch.zeros(batch_size, dtype=torch.long, device=device)
     history = new_argmax_history(sampling.stability_threshold, *shape, device)
     self_conditioning = None  # no signal at the first step
+    chosen: dict[int, torch.Tensor] = {}  # constrained rows: the canvas they commit
     for step_index in range(num_steps):
         steps += ~done
         logits = model.denoise(canvas, cache, self_conditioning_probs=self_conditioning)  # (B, L, V) fp32
@@ -224,17 +240,44 @@ def denoise_canvas(
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
         result = sampler_step(logits, temperature, sampling.entropy_bound, generator,
                               fixed=fixed, fixed_tokens=fixed_tokens)
+        was_done = done.clone()
+        if answers is not None:  # constrained rows: accepted positions take tokens of a valid answer
+            for row, answer in enumerate(answers):
+                if answer is not None and not was_done[row]:
+                    result.canvas[row] = answer.guide(result.canvas[row], result.accepted[row], logits[row], budget,
+                                                      generator)
         canvas = torch.where(done[:, None], canvas, result.canvas)
         argmax = torch.where(done[:, None], argmax, result.argmax)
         stop, history = adaptive_stop(history, argmax, result.entropy, sampling.confidence_threshold, fixed)
         if not sampling.fixed_steps:
             done |= stop
+        if answers is not None:  # rows that stop here commit this step's most probable valid canvas
+            last_step = step_index == num_steps - 1
+            for row, answer in enumerate(answers):
+                if answer is not None and not was_done[row] and (bool(done[row]) or last_step):
+                    chosen[row] = answer.commit(logits[row], budget)
         self_conditioning = logits  # now softmax(logits / T), left in place by sampler_step
         if on_draft is not None:
             on_draft(step_index, argmax, result.entropy, result.accepted)
         if bool(done.all()):
             break
+    for row, tokens in chosen.items():
+        argmax[row] = tokens
     return argmax, steps
+
+
+def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template, guide_steps: bool):
+    if constraint is None:
+        return None
+    from dgemma.structured.answer import ConstrainedAnswer
+
+    automata = constraint if isinstance(constraint, (list, tuple)) else [constraint] * batch_size
+    if len(automata) != batch_size:
+        raise ValueError(f"{len(automata)} constraints for {batch_size} prompts")
+    if template is not None and any(a is not None for a in automata):
+        raise ValueError("a canvas template and a constraint cannot be combined")
+    return [None if a is None else ConstrainedAnswer(a, sampling.eos_token_ids, sampling.pad_token_id,
+                                                      guide_steps=guide_steps) for a in automata]
 
 
 def _device_of(model) -> torch.device:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.config import ConfigError, SamplingConfig
+from dgemma.serving.chat_output import ChatOutput
 from dgemma.serving.codec import Codec, PromptError, TextAssembler
 from dgemma.serving.protocol import (
     APIError,
@@ -42,7 +44,9 @@ from dgemma.serving.protocol import (
     parse,
     usage,
 )
+from dgemma.serving.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
+from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -109,8 +113,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body = parse(ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
         _check_model(state, body.model)
-        prompt = _encode(state.codec.encode_chat, body.chat(), body.chat_template_kwargs or {})
-        return await _generate(state, request, body, prompt, body.token_limit, chat=True)
+        template_kwargs = body.template_kwargs()
+        prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
+        constraint = await _tool_constraint(state, body, template_kwargs)
+        return await _generate(state, request, body, prompt, body.token_limit, chat=True,
+                               parse_tools=body.tool_mode != "none", constraint=constraint)
 
     app.include_router(v1)
     return app
@@ -191,102 +198,223 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
         raise bad_request(f"max_tokens {max_tokens} does not fit: the prompt is {n} tokens, the context holds "
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
+    eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
                                       entropy_bound=body.entropy_bound, t_min=body.t_min, t_max=body.t_max,
-                                      fixed_steps=body.fixed_steps)
+                                      fixed_steps=body.fixed_steps, eos_token_ids=eos)
     except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max
         raise bad_request(str(e)) from None
 
 
+async def _tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
+    """tool_choice "required" or a named function: the answer must be calls with valid arguments."""
+    if body.tool_mode not in ("required", "named"):
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"tool_choice: a {state.codec.task} model does not call tools", param="tool_choice")
+    tools = [(f.name, f.parameters) for f in body.allowed_tools()]
+    try:  # built once per set of tools (cached), off the event loop: seconds on a large vocabulary
+        return await asyncio.to_thread(
+            calls_constraint, state.codec.tokenizer, state.codec.vocab_size, tools,
+            several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
+            thought=bool(template_kwargs.get("enable_thinking")))
+    except SchemaError as e:
+        raise bad_request(f"tools: {e}", param="tools", code="unsupported_schema") from None
+    except (VocabularyError, ConstraintError) as e:
+        raise bad_request(f"tool_choice: this model cannot be constrained to Gemma 4's tool calls: {e}",
+                          param="tool_choice") from None
+
+
 # -- generation ---------------------------------------------------------------------------------------
 
+async def _constraint_for(state: ServerState, body):
+    """The request's response_format as a token automaton (None for plain text); a schema outside the
+    supported subset is a 400 that names the keyword."""
+    from dgemma.structured import ConstraintError, SchemaError
+
+    structured = body.structured
+    if structured is None:
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"response_format: a {state.codec.task} model writes its own answer format; "
+                          f"only {{\"type\": \"text\"}} applies", param="response_format")
+    kind, schema = structured
+    try:  # the first request with a schema builds its automaton: seconds on a large vocabulary
+        return await asyncio.to_thread(state.codec.constraint, kind, schema)
+    except SchemaError as e:
+        raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
+                          code="unsupported_schema") from None
+    except ConstraintError as e:
+        field = "structured_outputs" if kind == "regex" else "response_format"
+        raise bad_request(f"{field}: {e}", param=field) from None
+
+
+@dataclass
+class Choice:
+    """One answer of a request (n > 1: one per seed) and what turns its tokens into output."""
+
+    index: int
+    stream: RequestStream
+    assembler: TextAssembler  # tokens -> text deltas, stop strings
+    output: ChatOutput | None  # chat: text -> reasoning, content, tool calls
+
+
 async def _generate(state: ServerState, request: Request, body, prompt: list[int], max_tokens: int | None,
-                    *, chat: bool):
+                    *, chat: bool, parse_tools: bool = False, constraint=None):
     sampling = _sampling_for(state, body, prompt, max_tokens)
+    answer_format = await _constraint_for(state, body)
+    if answer_format is not None and constraint is not None:
+        raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
+                          "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
+    streams = _submit(state, body, prompt, sampling, constraint or answer_format)
+    decode = state.codec.decode_chat if chat else state.codec.decode
+    choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
+                      ChatOutput(parse_tools) if chat else None) for i, stream in enumerate(streams)]
+    writer = ChunkWriter(chat, state.model_name)
+    if body.stream:
+        cancel = BackgroundTask(_cancel_all, state.worker, streams)  # runs when the response ends or the client leaves
+        return StreamingResponse(_stream_chunks(state, body, choices, writer, len(prompt)),
+                                 media_type="text/event-stream", background=cancel,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, streams))
     try:
-        stream = state.worker.submit(prompt, sampling, seed=body.seed, want_drafts=body.include_drafts)
+        answers = await asyncio.gather(*(_answer(state, choice) for choice in choices))
+    finally:
+        watcher.cancel()
+        _cancel_all(state.worker, streams)
+    counts = usage(len(prompt), sum(len(c.assembler.tokens) for c in choices))
+    stats = _stats(state, choices[0])
+    if len(choices) > 1:
+        stats["choices"] = [_stats(state, c) for c in choices]
+    return writer.response(answers, counts, stats)
+
+
+def _submit(state: ServerState, body, prompt: list[int], sampling: SamplingConfig, constraint) -> list[RequestStream]:
+    """One engine request per choice, seeds seed, seed+1, ... (random when none is given); all or none."""
+    n = body.choices
+    if n > state.worker.max_queue:
+        raise bad_request(f"n: at most {state.worker.max_queue} choices fit this server's queue", param="n")
+    base = body.seed if body.seed is not None else secrets.randbits(63)
+    streams: list[RequestStream] = []
+    try:
+        for i in range(n):
+            streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63, constraint=constraint,
+                                               want_drafts=body.include_drafts))
     except QueueFull as e:
+        _cancel_all(state.worker, streams)
         raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(state.worker.retry_after())}) from None
     except ValueError as e:  # the engine's own length check
         raise bad_request(str(e), code="context_length_exceeded") from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
-    writer = ChunkWriter(chat, state.model_name)
-    assembler = TextAssembler(state.codec, body.stop or [])
-    if body.stream:
-        cancel = BackgroundTask(state.worker.cancel, stream)  # runs when the response ends or the client leaves
-        return StreamingResponse(_stream_chunks(state, body, stream, writer, assembler, len(prompt)),
-                                 media_type="text/event-stream", background=cancel,
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, stream))
-    try:
-        parts, reason = [], None
-        async for kind, value in _outputs(state, stream, assembler):
-            if kind == "text":
-                parts.append(value)
-            elif kind == "end":
-                reason = value
-    finally:
-        watcher.cancel()
-        state.worker.cancel(stream)
-    counts = usage(len(prompt), len(assembler.tokens))
-    return writer.response("".join(parts), reason, counts, _stats(state, stream, prompt, assembler))
+    return streams
 
 
-async def _outputs(state: ServerState, stream: RequestStream, assembler: TextAssembler
-                   ) -> AsyncIterator[tuple[str, object]]:
-    """("draft", payload) / ("text", delta) / ("end", finish_reason), from the request's engine events."""
+def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
+    for stream in streams:
+        worker.cancel(stream)
+
+
+async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[str, object]]:
+    """("draft", payload) / ("content" | "reasoning", text) / ("tool_call", call) / ("end", finish_reason)."""
+    stream, assembler, output = choice.stream, choice.assembler, choice.output
     while True:
         item = await stream.next()
         if item.kind == "error":
             raise APIError(500, item.message, type="server_error")
         if item.kind == "draft":
             yield "draft", _draft_payload(state.codec, item)
-        elif item.kind == "canvas":
-            text = assembler.add(item.tokens)
+            continue
+        if item.kind not in ("canvas", "finished"):
+            continue
+        ended = item.kind == "finished"
+        text = assembler.flush() if ended else assembler.add(item.tokens)
+        if assembler.stopped:  # a stop string: the rest is not wanted, free the row now
+            state.worker.cancel(stream)
+            ended = True
+        if output is None:
             if text:
-                yield "text", text
-            if assembler.stopped:  # a stop string: the rest is not wanted, free the row now
-                state.worker.cancel(stream)
-                yield "end", "stop"
-                return
-        elif item.kind == "finished":
-            tail = assembler.flush()
-            if tail:
-                yield "text", tail
-            yield "end", "length" if item.finish_reason == "length" else "stop"
+                yield "content", text
+        else:
+            for part in output.add(text) + (output.finish() if ended else []):
+                yield part
+        if ended:
+            reason = "stop" if assembler.stopped or item.finish_reason != "length" else "length"
+            yield "end", "tool_calls" if output is not None and output.calls else reason
             return
 
 
-async def _stream_chunks(state, body, stream, writer: ChunkWriter, assembler, prompt_tokens: int):
+async def _answer(state: ServerState, choice: Choice) -> tuple[dict | str, str]:
+    """A whole answer: (chat message or completion text, finish reason)."""
+    texts, reason = [], None
+    async for kind, value in _outputs(state, choice):
+        if kind == "content":
+            texts.append(value)
+        elif kind == "end":
+            reason = value
+    return (choice.output.message() if choice.output is not None else "".join(texts)), reason
+
+
+async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(i, item) from several async iterators as their items come."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
     try:
-        first = writer.first()
-        if first is not None:
-            yield _sse(first)
-        async for kind, value in _outputs(state, stream, assembler):
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter, prompt_tokens: int):
+    try:
+        for choice in choices:
+            first = writer.first(choice.index)
+            if first is not None:
+                yield _sse(first)
+        calls = [0] * len(choices)  # tool calls sent so far, per choice
+        async for i, (kind, value) in _merged([_outputs(state, choice) for choice in choices]):
             if kind == "draft":
-                yield _sse(writer.draft(value))
-            elif kind == "text":
-                yield _sse(writer.text(value))
+                yield _sse(writer.draft(value, i))
+            elif kind == "content":
+                yield _sse(writer.text(value, i))
+            elif kind == "reasoning":
+                yield _sse(writer.reasoning(value, i))
+            elif kind == "tool_call":
+                yield _sse(writer.tool_call(value, calls[i], i))
+                calls[i] += 1
             else:
-                yield _sse(writer.finish(value, _stats(state, stream, stream.request.prompt, assembler)))
-                if body.include_usage:
-                    yield _sse(writer.usage_chunk(usage(prompt_tokens, len(assembler.tokens))))
+                yield _sse(writer.finish(value, _stats(state, choices[i]), i))
+        if body.include_usage:
+            completion = sum(len(c.assembler.tokens) for c in choices)
+            yield _sse(writer.usage_chunk(usage(prompt_tokens, completion)))
     except APIError as e:  # the headers are gone; the error travels as an event (the client raises it)
         yield _sse(e.body())
     finally:
-        state.worker.cancel(stream)  # the client left mid-stream: free the row at once
+        _cancel_all(state.worker, [c.stream for c in choices])  # the client left mid-stream: free the rows at once
     yield "data: [DONE]\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, worker: EngineWorker, stream: RequestStream):
-    """After the body is read, the next message is the disconnect: a client that gave up frees its row."""
+async def _cancel_on_disconnect(request: Request, worker: EngineWorker, streams: list[RequestStream]):
+    """After the body is read, the next message is the disconnect: a client that gave up frees its rows."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            worker.cancel(stream)
+            _cancel_all(worker, streams)
             return
 
 
@@ -300,10 +428,10 @@ def _draft_payload(codec, event) -> dict:
             "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted}
 
 
-def _stats(state: ServerState, stream: RequestStream, prompt: list[int], assembler: TextAssembler) -> dict:
-    request = stream.request
+def _stats(state: ServerState, choice: Choice) -> dict:
+    request = choice.stream.request
     stats = {"seed": request.seed, **request.stats()}
-    verdict = state.codec.check_answer(prompt, assembler.tokens)
+    verdict = state.codec.check_answer(request.prompt, choice.assembler.tokens)
     if verdict is not None:
         stats[state.codec.task] = verdict
     return stats

@@ -3,8 +3,12 @@
 Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
 not 1), numbers must be finite and inside the ranges below, and the message names the field.
 OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties, user, ...) are
-accepted and ignored, so existing clients work; fields whose meaning we cannot honour (n > 1, logprobs,
-echo, suffix, tools, a JSON response format) are rejected instead of silently ignored.
+accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs, echo,
+suffix, best_of) are rejected instead of silently ignored.
+
+response_format: {"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object),
+or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}} (the answer
+validates against the schema; the supported subset is in dgemma.structured.schema and docs/serving.md).
 
 Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   steps           int 1..1000     most denoising steps per canvas (the model's default otherwise)
@@ -13,18 +17,25 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   fixed_steps     bool            exactly `steps` per canvas, no early stop
   seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
   stream_options.include_drafts   bool: stream the argmax canvas after every denoising step
+  structured_outputs.regex        str: the answer matches this regex (outlines-core's syntax), as vLLM
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dgemma.serving.tool_calls import openai_tool_call
 
 MAX_STEPS = 1000
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16
+NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole canvas at once, chosen over many "
+               "denoising steps, so its tokens have no left-to-right probabilities to report")
 
 
 class APIError(Exception):
@@ -81,8 +92,9 @@ class _Generation(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    n: StrictInt | None = None
+    n: _strict(int, ge=1, le=MAX_CHOICES) | None = None  # choices: one prompt, seeds seed, seed+1, ...
     response_format: dict | None = None
+    structured_outputs: dict | None = None  # vLLM's {"regex": PATTERN}: the answer matches the pattern
     # the diffusion sampler
     steps: Steps | None = None
     entropy_bound: EntropyBound | None = None
@@ -102,15 +114,55 @@ class _Generation(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return values
 
+    @field_validator("response_format", mode="after")
+    @classmethod
+    def _response_format(cls, value):
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("json_schema must be an object with a \"schema\" object: "
+                                 "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            if "strict" in spec and not isinstance(spec["strict"], bool):
+                raise ValueError("json_schema.strict must be true or false")
+        return value
+
+    @field_validator("structured_outputs", mode="after")
+    @classmethod
+    def _regex_only(cls, value):
+        if value is None:
+            return None
+        if set(value) != {"regex"} or not isinstance(value["regex"], str) or not value["regex"]:
+            raise ValueError("expected {\"regex\": PATTERN} (JSON answers: response_format)")
+        return value
+
+    @property
+    def structured(self) -> tuple[str, dict | str | None] | None:
+        """("json_schema", schema) / ("json_object", None) / ("regex", pattern) when the answer is
+        constrained, else None. A schema is enforced whether or not `strict` is set: a constrained answer
+        is always valid."""
+        if self.structured_outputs is not None:
+            return "regex", self.structured_outputs["regex"]
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_schema":
+            return kind, self.response_format["json_schema"]["schema"]
+        return (kind, None) if kind == "json_object" else None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a field set to something this server cannot do, else None."""
-        if self.n not in (None, 1):
-            return "n", "only n=1 is supported (one choice per request)"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "only {\"type\": \"text\"} is supported"
+        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+            return "structured_outputs", "a regex and a response_format cannot both shape the answer"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_drafts(self) -> bool:
@@ -150,8 +202,8 @@ class CompletionRequest(_Generation):
     def unsupported(self):
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logprobs not in (None, 0):
-            return "logprobs", "logprobs are not supported"
+        if self.logprobs is not None:
+            return "logprobs", NO_LOGPROBS
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):
@@ -159,29 +211,95 @@ class CompletionRequest(_Generation):
         return super().unsupported()
 
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FunctionName = _strict(str, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def _text_parts(value):
+    """A string, or a list of {"type": "text", "text": ...} parts (joined); null is empty text."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError("expected a string or a list of text parts")
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("expected a JSON object in a string") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("expected a JSON object in a string")
+        return value
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
     content: str = ""
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: calls it made
+    tool_call_id: StrictStr | None = None  # tool: the call this message answers
+    reasoning_content: StrictStr | None = None  # assistant: its thoughts, for templates that keep them
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value):
-        """A string, or a list of {"type": "text", "text": ...} parts (joined); null is empty text."""
-        if value is None or isinstance(value, str):
-            return value or ""
-        if isinstance(value, list):
-            texts = []
-            for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"only text content parts are supported, got {kind!r}")
-                texts.append(part["text"])
-            return "".join(texts)
-        raise ValueError("expected a string or a list of text parts")
+        return _text_parts(value)
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Generation):
@@ -189,7 +307,11 @@ class ChatCompletionRequest(_Generation):
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool | None = None
-    tools: list | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}, as vLLM
 
     @field_validator("messages")
@@ -203,15 +325,64 @@ class ChatCompletionRequest(_Generation):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def tool_mode(self) -> str:
+        """"none" (calls stay text), "auto" (calls are parsed), "required" or "named" (constrained)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def allowed_tools(self) -> list[FunctionDefinition]:
+        """The functions an answer may call: the named one, or all of them."""
+        functions = [t.function for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in functions if f.name == self.tool_choice.function.name]
+        return functions
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template: tools, thinking (reasoning_effort: any value but "none" is on;
+        an explicit chat_template_kwargs.enable_thinking wins), and the client's own."""
+        kwargs: dict[str, Any] = {}
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.reasoning_effort is not None:
+            kwargs["enable_thinking"] = self.reasoning_effort != "none"
+        return {**kwargs, **(self.chat_template_kwargs or {})}
+
     def chat(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+        """The messages as Hugging Face chat templates read them: "developer" is "system"; a call's arguments
+        are a dict (as vLLM passes them); a tool result carries the name of the function it answers."""
+        names: dict[str, str] = {}
+        messages = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+                message["name"] = m.name or names.get(m.tool_call_id, "unknown")
+            elif m.name is not None:
+                message["name"] = m.name
+            if m.reasoning_content is not None and m.role == "assistant":
+                message["reasoning_content"] = m.reasoning_content
+            messages.append(message)
+        return messages
 
     def unsupported(self):
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.tools:
-            return "tools", "tool calls are not supported by this server"
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs" if self.logprobs else "top_logprobs", NO_LOGPROBS
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return "tools", f"two tools are named {next(n for n in names if names.count(n) > 1)!r}"
+        if (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)) and not self.tools:
+            return "tool_choice", "a required or named tool_choice needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            return "tool_choice", (f"no tool is named {self.tool_choice.function.name!r} "
+                                   f"(tools: {', '.join(map(repr, names))})")
         return super().unsupported()
 
 
@@ -259,37 +430,43 @@ class ChunkWriter:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
 
-    def _chunk(self, choice: dict, **extra) -> dict:
+    def _chunk(self, index: int, choice: dict, **extra) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [{"index": 0, **choice}], **extra}
+                "created": self.created, "model": self.model, "choices": [{"index": index, **choice}], **extra}
 
-    def first(self) -> dict | None:
-        """Chat streams open with the assistant role; completion streams have no such chunk."""
-        if not self.chat:
-            return None
-        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    def _delta(self, index: int, delta: dict, finish_reason=None, **extra) -> dict:
+        body = {"delta": delta} if self.chat else {"text": delta.get("content", ""), "logprobs": None}
+        return self._chunk(index, {**body, "finish_reason": finish_reason}, **extra)
 
-    def text(self, text: str) -> dict:
-        if self.chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": None})
-        return self._chunk({"text": text, "logprobs": None, "finish_reason": None})
+    def first(self, index: int = 0) -> dict | None:
+        """Chat streams open each choice with the assistant role; completion streams have no such chunk."""
+        return self._delta(index, {"role": "assistant", "content": ""}) if self.chat else None
 
-    def draft(self, draft: dict) -> dict:
-        empty = {"delta": {}} if self.chat else {"text": "", "logprobs": None}
-        return self._chunk({**empty, "finish_reason": None, "dgemma_draft": draft})
+    def text(self, text: str, index: int = 0) -> dict:
+        return self._delta(index, {"content": text})
 
-    def finish(self, reason: str, stats: dict) -> dict:
-        empty = {"delta": {}} if self.chat else {"text": "", "logprobs": None}
-        return self._chunk({**empty, "finish_reason": reason}, dgemma=stats)
+    def reasoning(self, text: str, index: int = 0) -> dict:
+        return self._delta(index, {"reasoning_content": text})
+
+    def tool_call(self, call: dict, position: int, index: int = 0) -> dict:
+        """One whole call (id, name and arguments in one delta), `position` in the answer's list of calls."""
+        return self._delta(index, {"tool_calls": [openai_tool_call(call, position)]})
+
+    def draft(self, draft: dict, index: int = 0) -> dict:
+        chunk = self._delta(index, {})
+        chunk["choices"][0]["dgemma_draft"] = draft
+        return chunk
+
+    def finish(self, reason: str, stats: dict, index: int = 0) -> dict:
+        return self._delta(index, {}, reason, dgemma=stats)
 
     def usage_chunk(self, counts: dict) -> dict:
-        return {**self._chunk({}), "choices": [], "usage": counts}
+        return {**self._chunk(0, {}), "choices": [], "usage": counts}
 
-    def response(self, text: str, reason: str, counts: dict, stats: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def response(self, answers: list[tuple[dict | str, str]], counts: dict, stats: dict) -> dict:
+        """answers: (chat message or completion text, finish reason) per choice."""
+        key = "message" if self.chat else "text"
+        choices = [{"index": i, key: answer, "logprobs": None, "finish_reason": reason}
+                   for i, (answer, reason) in enumerate(answers)]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": counts, "dgemma": stats}
+                "created": self.created, "model": self.model, "choices": choices, "usage": counts, "dgemma": stats}

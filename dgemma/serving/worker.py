@@ -105,11 +105,12 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     # -- requests (event-loop thread) ------------------------------------------------------------------
-    def submit(self, prompt: list[int], sampling, *, seed: int | None = None, want_drafts: bool = False
-               ) -> RequestStream:
-        """Queue a request; raises QueueFull, or ValueError when it cannot fit the cache."""
+    def submit(self, prompt: list[int], sampling, *, seed: int | None = None, want_drafts: bool = False,
+               constraint=None) -> RequestStream:
+        """Queue a request (constraint: a dgemma.structured.TokenAutomaton or None); raises QueueFull, or
+        ValueError when it cannot fit the cache."""
         seed = secrets.randbits(63) if seed is None else seed
-        request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts)
+        request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts, constraint=constraint)
         stream = RequestStream(request, asyncio.get_running_loop())
         request.on_event = lambda event: self._on_event(stream, event)
         # Never hold our lock while the engine takes its own: the engine thread reports events (and so

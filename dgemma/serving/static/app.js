@@ -6,6 +6,18 @@
 const $ = (id) => document.getElementById(id);
 const EXAMPLE_PUZZLE =
   "530070000600195000098000060800060003400803001700020006060000280000419005000080079";
+const EXAMPLE_TOOLS = [{
+  type: "function",
+  function: {
+    name: "get_weather",
+    description: "Current weather in a city",
+    parameters: {
+      type: "object",
+      properties: { city: { type: "string" }, unit: { type: "string", enum: ["celsius", "fahrenheit"] } },
+      required: ["city"],
+    },
+  },
+}];
 
 const playground = {
   model: null,        // the /v1/models card of the served model
@@ -16,6 +28,7 @@ const playground = {
   givens: null,       // sudoku: the puzzle's digits, 0 for blanks
   draftFrames: 0,     // drafts drawn in this run (tests read it)
   stepsSeen: [],      // "canvas:step" of every draft drawn in this run
+  toolCalls: [],      // the tool calls of this run: {id, name, arguments}
 };
 window.playground = playground;
 
@@ -140,6 +153,16 @@ function numberField(id) {
   return value === "" ? undefined : Number(value);
 }
 
+function jsonField(id, what) {
+  const value = $(id).value.trim();
+  if (value === "") return undefined;
+  try {
+    return JSON.parse(value);
+  } catch (error) {
+    throw new Error(`${what} is not valid JSON: ${error.message}`);
+  }
+}
+
 function requestBody() {
   const body = {
     model: playground.model.id,
@@ -157,18 +180,40 @@ function requestBody() {
   }
   playground.givens = null;
   body.max_tokens = numberField("max-tokens");
+  const schema = jsonField("json-schema", "the JSON schema");
+  if (schema !== undefined) {
+    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema, strict: true } };
+  }
   const text = $("prompt").value;
-  if ($("chat").checked) return ["/v1/chat/completions", { ...body, messages: [{ role: "user", content: text }] }];
-  return ["/v1/completions", { ...body, prompt: text }];
+  if (!$("chat").checked) return ["/v1/completions", { ...body, prompt: text }];
+  const tools = jsonField("tools", "the tools");
+  if (tools !== undefined) {
+    body.tools = tools;
+    body.tool_choice = $("tool-choice").value;
+  }
+  if ($("think").checked) body.reasoning_effort = "medium";
+  return ["/v1/chat/completions", { ...body, messages: [{ role: "user", content: text }] }];
 }
 
 async function run() {
-  const [path, body] = requestBody();
   $("output").textContent = "";
   $("stats").textContent = "";
   $("error").textContent = "";
+  $("thoughts").textContent = "";
+  $("thoughts-box").hidden = true;
+  $("tool-calls").replaceChildren();
+  $("tool-calls").hidden = true;
+  let path, body;
+  try {
+    [path, body] = requestBody();
+  } catch (error) {
+    $("error").textContent = error.message;
+    setState("error", "not sent");
+    return;
+  }
   playground.draftFrames = 0;
   playground.stepsSeen = [];
+  playground.toolCalls = [];
   buildGrid(playground.task === "sudoku" ? 81 : playground.cells.length);
   showGivens();
   playground.controller = new AbortController();
@@ -203,6 +248,26 @@ function onChunk(chunk) {
   if (choice.dgemma_draft) drawDraft(choice.dgemma_draft);
   const text = choice.delta ? choice.delta.content : choice.text;
   if (text) $("output").textContent += text;
+  const delta = choice.delta || {};
+  if (delta.reasoning_content) {
+    $("thoughts-box").hidden = false;
+    $("thoughts").textContent += delta.reasoning_content;
+  }
+  for (const call of delta.tool_calls || []) showToolCall(call);
+}
+
+// A call arrives whole in one delta (dgemma sends each once it is complete and parsed).
+function showToolCall(call) {
+  const entry = { id: call.id, name: call.function.name, arguments: call.function.arguments };
+  playground.toolCalls.push(entry);
+  const item = document.createElement("li");
+  const name = document.createElement("span");
+  name.className = "name";
+  name.textContent = entry.name;
+  item.append(name, `(${entry.arguments})`);
+  item.title = entry.id;
+  $("tool-calls").appendChild(item);
+  $("tool-calls").hidden = false;
 }
 
 // Server-sent events over fetch (EventSource cannot POST): events end with a blank line, and each
@@ -236,6 +301,10 @@ $("form").addEventListener("submit", (event) => {
 });
 $("stop").addEventListener("click", () => playground.controller && playground.controller.abort());
 $("example").addEventListener("click", () => { $("puzzle").value = EXAMPLE_PUZZLE; });
+$("example-tools").addEventListener("click", () => {
+  $("tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
+  $("prompt").value = "What is the weather in Paris?";
+});
 $("auth").addEventListener("submit", (event) => {
   event.preventDefault();
   playground.apiKey = $("api-key").value.trim();
