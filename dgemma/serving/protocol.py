@@ -190,14 +190,16 @@ class CompletionRequest(_Generation):
     @classmethod
     def _prompts(cls, value):
         """Text, token ids, or a list of either (several prompts): always a list of prompts."""
-        if isinstance(value, str) or (isinstance(value, list) and value and all(type(t) is int for t in value)):
+        if value == "" or value == []:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
             value = [value]
-        if not isinstance(value, list) or not value:
-            raise ValueError("the prompt is empty" if value == [] else
-                             "expected a string, a list of token ids, or a list of either")
+        if not isinstance(value, list):
+            raise ValueError("expected a string, a list of token ids, or a list of either")
         kinds = {type(v) for v in value}
         if kinds not in ({str}, {list}):
-            raise ValueError("expected a string, a list of token ids, or a list of either (not both)")
+            mixed = " (not both)" if kinds == {str, list} else ""
+            raise ValueError(f"expected a string, a list of token ids, or a list of either{mixed}")
         for i, v in enumerate(value):
             if not v:
                 raise ValueError(f"prompt {i} is empty")
