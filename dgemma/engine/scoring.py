@@ -115,7 +115,8 @@ class ScoringBatch:
         self.requests = requests
         self.chunk_tokens = chunk_tokens
         self.k = max(1, max(r.score_top for r in requests))
-        self.clusters = [([requests[i] for i in members], q) for members, q in plan_clusters([r.prompt for r in requests])]
+        clusters = plan_clusters([r.prompt for r in requests], MIN_SHARED_TOKENS)
+        self.clusters = [([requests[i] for i in members], q) for members, q in clusters]
         self.start = {id(r): q for members, q in self.clusters for r in members}  # where a row's own pass begins
         self.scores = {id(r): PromptScores(torch.full((len(r.prompt) - 1,), float("nan")),
                                            torch.zeros(len(r.prompt), self.k, dtype=torch.long),
