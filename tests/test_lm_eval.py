@@ -26,7 +26,7 @@ def server(tiny_model_dir):
     # rows enough for a batch of prompts, and a short context so that lm-eval's requests are long for it
     server = ServerProcess(tiny_model_dir, "--max-batch", "6", "--max-queue", "16")
     yield server
-    server.stop()
+    server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")

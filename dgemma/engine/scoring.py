@@ -137,7 +137,7 @@ class ScoringBatch:
     def advance(self, model, cache):
         """One chunk of the current phase; the copy of the shared prefixes rides with the last prefix chunk."""
         if self.phase == "prefix":
-            # (row, first position, last position + 1, request whose tokens these are, who shares them)
+            # spans: (request whose row and tokens these are, first position, end, who shares the results)
             spans = [(members[0], 0, q, members) for members, q in self.clusters if q > 0]
         else:
             spans = [(r, self.start[id(r)], len(r.prompt), [r]) for r in self.requests]
