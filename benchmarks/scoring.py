@@ -9,7 +9,7 @@ question, a ~60-token question, four one-token choices) and "hellaswag" (a ~80-t
 endings of 15..30 tokens). Then what scoring costs generation: the step times of one generating request
 alone and beside a long prompt being scored in chunks.
 
-    python benchmarks/scoring.py [--preset bench-20m] [--questions 8]
+    python benchmarks/scoring.py [--preset bench-20m] [--questions 4]
 
 Random weights (the arithmetic is the checkpoint's); CPU. Prints a table, then one JSON line.
 """
@@ -77,7 +77,7 @@ def generation_beside_scoring(model, long_prompt: list[int]) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench-20m")
-    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=4)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(dgemma.get_preset(args.preset)).eval()
@@ -95,7 +95,7 @@ def main():
                          total / r["seconds"], results["alone"]["seconds"] / r["seconds"]))
         record["workloads"][name] = {"prompts": len(prompts), "prompt_tokens": total, **results}
     scoring.MIN_SHARED_TOKENS = 8
-    long_prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(4 * scoring.SCORE_CHUNK_TOKENS)]
+    long_prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(2 * scoring.SCORE_CHUNK_TOKENS)]
     record["generation"] = generation_beside_scoring(model, long_prompt)
 
     print(f"{'workload':10} {'way':8} {'prompts':>7} {'tokens':>7} {'encoded':>8} {'seconds':>8} {'tok/s':>8} {'vs alone':>8}")
