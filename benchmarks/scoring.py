@@ -86,7 +86,8 @@ def main():
     for name, prompts in workloads(model.config.vocab_size, args.questions, rng).items():
         timed_scoring(model, prompts[:4], batch=len(prompts), share=True)  # warm-up
         results = {}
-        for way, batch, share in (("alone", 1, False), ("batched", len(prompts), False), ("shared", len(prompts), True)):
+        ways = (("alone", 1, False), ("batched", len(prompts), False), ("shared", len(prompts), True))
+        for way, batch, share in ways:
             seconds, encoded = timed_scoring(model, prompts, batch=batch, share=share)
             results[way] = {"seconds": seconds, "encoded_tokens": encoded}
         total = sum(map(len, prompts))
@@ -98,7 +99,8 @@ def main():
     long_prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(2 * scoring.SCORE_CHUNK_TOKENS)]
     record["generation"] = generation_beside_scoring(model, long_prompt)
 
-    print(f"{'workload':10} {'way':8} {'prompts':>7} {'tokens':>7} {'encoded':>8} {'seconds':>8} {'tok/s':>8} {'vs alone':>8}")
+    print(f"{'workload':10} {'way':8} {'prompts':>7} {'tokens':>7} {'encoded':>8} {'seconds':>8} {'tok/s':>8} "
+          f"{'vs alone':>8}")
     for name, way, n, total, encoded, seconds, rate, speedup in rows:
         print(f"{name:10} {way:8} {n:7d} {total:7d} {encoded:8d} {seconds:8.2f} {rate:8.0f} {speedup:7.2f}x")
     print(f"\ngeneration, one request of one canvas (12 steps), beside a {len(long_prompt)}-token prompt scored "

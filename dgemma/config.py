@@ -52,9 +52,19 @@ class ModelConfig:
     eos_token_id: int = 1
     bos_token_id: int = 2
     initializer_range: float = 0.02
+    # images: the vision tower (None: a text-only model) and the prompt tokens that frame an image's soft tokens
+    vision: VisionConfig | None = None
+    image_token_id: int = 258_880
+    boi_token_id: int = 255_999
+    eoi_token_id: int = 258_882
+    # "vision": in the encoder, the soft tokens of one image attend to each other both ways (text stays causal)
+    use_bidirectional_attention: str | None = None
 
     def __post_init__(self):
         self.layer_types = tuple(self.layer_types)
+        if self.use_bidirectional_attention not in (None, "vision"):
+            raise ConfigError(f"use_bidirectional_attention={self.use_bidirectional_attention!r} is not supported "
+                              "(None or 'vision'; a fully bidirectional encoder, 'all', is not)")
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         bad = set(self.layer_types) - {SLIDING, FULL}
@@ -78,7 +88,8 @@ class ModelConfig:
 
     # -- parameter arithmetic -----------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:
-        """Exact parameter counts by group, as stored in the checkpoint (tied embedding once)."""
+        """Exact parameter counts by group, as stored in the checkpoint (tied embedding once). "total" and
+        "active" are the text model's; a model with a vision tower also has "vision", counted apart."""
         h, v = self.hidden_size, self.vocab_size
         attn = 0
         for i in range(self.num_layers):
@@ -110,6 +121,8 @@ class ModelConfig:
             "self_conditioning": self_cond,
             "total": total,
             "active": active,
+            # the vision tower and its projection, outside total and active: it runs once per image
+            **({"vision": self.vision.param_count(h)} if self.vision is not None else {}),
         }
 
     # -- Hugging Face config.json -------------------------------------------------------------
@@ -154,8 +167,6 @@ class ModelConfig:
                 raise ConfigError(f"unsupported rope for {name}: {r}")
         if rs.get("rope_type", "default") != "default" or rs.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"unsupported rope for sliding layers: {rs}")
-        if text.get("use_bidirectional_attention") == "all":
-            raise ConfigError("use_bidirectional_attention='all' (bidirectional encoder) is not supported")
         if text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ConfigError(f"unsupported activation {text.get('hidden_activation')}")
         if text.get("attention_bias"):
@@ -189,13 +200,18 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             bos_token_id=text.get("bos_token_id", 2) if text.get("bos_token_id") is not None else 2,
             initializer_range=text.get("initializer_range", 0.02),
+            vision=VisionConfig.from_hf_dict(cfg["vision_config"]) if cfg.get("vision_config") else None,
+            image_token_id=_id_or(cfg.get("image_token_id"), 258_880),
+            boi_token_id=_id_or(cfg.get("boi_token_id"), 255_999),
+            eoi_token_id=_id_or(cfg.get("eoi_token_id"), 258_882),
+            use_bidirectional_attention=text.get("use_bidirectional_attention"),
         )
 
     def to_hf_dict(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """A `config.json` that transformers' `DiffusionGemmaForBlockDiffusion` loads.
 
-        `base` is the config the model was loaded from; its other keys (vision config, token ids of
-        image markers, ...) are kept as they were.
+        `base` is the config the model was loaded from; its other keys are kept as they were (also its
+        vision_config when this model runs without the tower, as transformers always builds one).
         """
         out = copy.deepcopy(base) if base else _default_top_level()
         text = out.setdefault("text_config", {}) or {}
@@ -205,12 +221,7 @@ class ModelConfig:
             {
                 "model_type": "diffusion_gemma_text",
                 "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
+                **_shape_keys(self),
                 "sliding_window": self.sliding_window,
                 "layer_types": list(self.layer_types),
                 "per_layer_config": {str(i): dict(full_over) for i, t in enumerate(self.layer_types) if t == FULL},
@@ -233,8 +244,12 @@ class ModelConfig:
                 "bos_token_id": self.bos_token_id,
                 "tie_word_embeddings": True,
                 "initializer_range": self.initializer_range,
+                "use_bidirectional_attention": self.use_bidirectional_attention,
             }
         )
+        if self.vision is not None:
+            out["vision_config"] = {**(out.get("vision_config") or {}), **self.vision.to_hf_dict()}
+        out.update(image_token_id=self.image_token_id, boi_token_id=self.boi_token_id, eoi_token_id=self.eoi_token_id)
         text.setdefault("eos_token_id", self.eos_token_id)
         text.pop("global_head_dim", None)
         text.pop("num_global_key_value_heads", None)
@@ -248,6 +263,96 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass
+class VisionConfig:
+    """The Gemma 4 vision tower (`vision_config` in config.json): a ViT over square pixel patches with 2-D RoPE,
+    whose outputs are average-pooled `pooling_kernel_size` x `pooling_kernel_size` into soft tokens."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_layers: int = 16
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10_240  # rows of the learned x and y position tables
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    use_clipped_linears: bool = False  # linears clamp their input and output to stored ranges
+    standardize: bool = False  # soft tokens get (x - std_bias) * std_scale
+
+    def __post_init__(self):
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"vision num_heads={self.num_heads} is not a multiple of kv heads {self.num_kv_heads}")
+        if self.head_dim % 4:  # half of each head turns with x, half with y, each in rotating pairs
+            raise ConfigError(f"vision head_dim={self.head_dim} must be a multiple of 4 (2-D RoPE)")
+        if self.patch_size < 1 or self.pooling_kernel_size < 1:
+            raise ConfigError("vision patch_size and pooling_kernel_size must be >= 1")
+
+    @classmethod
+    def from_hf_dict(cls, vision: dict[str, Any]) -> "VisionConfig":
+        if vision.get("model_type", "gemma4_vision") != "gemma4_vision":
+            raise ConfigError(f"unsupported vision tower {vision.get('model_type')!r} (expected gemma4_vision)")
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"unsupported vision rope {rope}")
+        if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ConfigError(f"unsupported vision activation {vision.get('hidden_activation')}")
+        if vision.get("attention_bias"):
+            raise ConfigError("vision attention_bias=True is not supported")
+        if vision.get("output_proj_dims", vision.get("hidden_size")) != vision.get("hidden_size"):
+            raise ConfigError("vision output_proj_dims different from hidden_size is not supported")
+        d = cls()
+        return cls(
+            hidden_size=vision.get("hidden_size", d.hidden_size),
+            intermediate_size=vision.get("intermediate_size", d.intermediate_size),
+            num_layers=vision.get("num_hidden_layers", d.num_layers),
+            num_heads=vision.get("num_attention_heads", d.num_heads),
+            num_kv_heads=vision.get("num_key_value_heads", d.num_kv_heads),
+            head_dim=vision.get("head_dim") or d.head_dim,
+            patch_size=vision.get("patch_size", d.patch_size),
+            pooling_kernel_size=vision.get("pooling_kernel_size", d.pooling_kernel_size),
+            position_embedding_size=vision.get("position_embedding_size", d.position_embedding_size),
+            rope_theta=rope.get("rope_theta", d.rope_theta),
+            rms_norm_eps=vision.get("rms_norm_eps", d.rms_norm_eps),
+            use_clipped_linears=bool(vision.get("use_clipped_linears", d.use_clipped_linears)),
+            standardize=bool(vision.get("standardize", d.standardize)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "model_type": "gemma4_vision",
+            **_shape_keys(self),
+            "patch_size": self.patch_size,
+            "pooling_kernel_size": self.pooling_kernel_size,
+            "position_embedding_size": self.position_embedding_size,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "use_clipped_linears": self.use_clipped_linears,
+            "standardize": self.standardize,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+
+    def param_count(self, text_hidden_size: int) -> int:
+        """Parameters of the tower and of the projection into the text model (buffers not counted)."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * hd  # q, k, v, o + q_norm, k_norm
+        block = attn + 3 * d * self.intermediate_size + 4 * d  # + gated MLP + four norms
+        patches = 3 * self.patch_size**2 * d + 2 * self.position_embedding_size * d
+        return patches + self.num_layers * block + d * text_hidden_size
+
+
+def _shape_keys(c: ModelConfig | VisionConfig) -> dict[str, int]:
+    """The config.json keys a text and a vision config share, from our field names."""
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim}
+
+
+def _id_or(value, default: int) -> int:
+    return default if value is None else int(value)
+
+
 def _softcap(value) -> float:
     # transformers fixes DiffusionGemma's final soft-cap at 30; a config without it means that value
     if value is None:
@@ -258,7 +363,8 @@ def _softcap(value) -> float:
 
 
 def _default_top_level() -> dict[str, Any]:
-    # A minimal vision tower description: transformers builds one from it; we never run it.
+    # A minimal vision tower description for a text-only model: transformers builds one from it (and no
+    # weights for it are stored); dgemma builds none.
     return {
         "model_type": "diffusion_gemma",
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
@@ -376,4 +482,4 @@ def get_preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
 
 
-__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]
+__all__ = ["ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]

@@ -101,7 +101,8 @@ class Tokenizer:
         marks of a chat format, such as Gemma 4's `<|tool_call>`, which a parser must see)."""
         if keep and skip_special_tokens:
             if self._special_ids is None:
-                self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+                added = self.backend.get_added_tokens_decoder()
+                self._special_ids = frozenset(i for i, t in added.items() if t.special)
             ids = [t for t in ids if t not in self._special_ids or t in keep]
             skip_special_tokens = False
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -71,20 +71,22 @@ def unperturbed_tensors(model: torch.nn.Module, fresh: torch.nn.Module) -> list[
     return [n for n, t in fresh.state_dict().items() if t.is_floating_point() and torch.equal(ours[n], t)]
 
 
-def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None):
+def hf_config(name: str = "alternating", canvas_length: int = 16, vision: dict | None = None,
+              text: dict | None = None, **top):
+    """`text` overrides text_config fields, `top` the top-level ones (image token ids, ...)."""
     from transformers import DiffusionGemmaConfig
 
-    return DiffusionGemmaConfig(text_config=dict(TINY_TEXT_CONFIGS[name]), vision_config=dict(vision or TINY_VISION),
-                                canvas_length=canvas_length)
+    return DiffusionGemmaConfig(text_config={**TINY_TEXT_CONFIGS[name], **(text or {})},
+                                vision_config=dict(vision or TINY_VISION), canvas_length=canvas_length, **top)
 
 
-def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0):
+def make_hf_model(name: str = "alternating", canvas_length: int = 16, seed: int = 0, **config):
     """A transformers DiffusionGemmaForBlockDiffusion with random weights and every parameter and buffer
     perturbed (`perturb_every_tensor`): each stack's layer scalars differ, norms and scales are not 1."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length)).eval()
+    model = DiffusionGemmaForBlockDiffusion(hf_config(name, canvas_length, **config)).eval()
     return perturb_every_tensor(model, seed)
 
 

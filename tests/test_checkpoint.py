@@ -117,11 +117,28 @@ def test_unknown_keys_are_refused_by_name(broken):
         dgemma.load_model(broken)
 
 
-def test_vision_weights_skipped_with_one_notice(hf_checkpoints, capfd):
-    folder, _ = hf_checkpoints["alternating"]
-    dgemma.load_model(folder)
-    err = capfd.readouterr().err
-    assert err.count("vision-tower weights") == 1
+def test_vision_weights_load_and_save_back_under_their_names(tmp_path, hf_checkpoints):
+    """The vision tower and its projection load from `model.encoder.*` (parameters and buffers) and are
+    written back under the same names, with the same values; a checkpoint without them gives a text model."""
+    from safetensors.torch import load_file
+
+    folder, hf = hf_checkpoints["alternating"]
+    ours = dgemma.load_model(folder)
+    assert ours.config.vision is not None and ours.vision_tower is not None
+    theirs = {k: v for k, v in hf.state_dict().items() if k.startswith(("model.encoder.vision_tower.",
+                                                                         "model.encoder.embed_vision."))}
+    mine = {"model.encoder." + k: v for k, v in ours.state_dict().items()
+            if k.startswith(("vision_tower.", "embed_vision."))}
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    dgemma.save_pretrained(ours, tmp_path / "out")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(saved[k], theirs[k]) for k in theirs)
+    # a text-only checkpoint (ours, saved without a tower) stays text-only, though its config.json
+    # describes the minimal tower transformers needs
+    dgemma.save_pretrained(dgemma.DiffusionGemma(dgemma.get_preset("tiny")), tmp_path / "text")
+    assert "vision_config" in json.loads((tmp_path / "text" / "config.json").read_text())
+    text_only = dgemma.load_model(tmp_path / "text")
+    assert text_only.config.vision is None and text_only.vision_tower is None
 
 
 def test_bf16_load(hf_checkpoints):

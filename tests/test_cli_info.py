@@ -48,6 +48,10 @@ def test_info_model_folder(hf_checkpoints):
         stored = sum(math.prod(f.get_slice(k).get_shape())
                      for k in f.keys() if k.startswith("model.decoder.") and not k.endswith("layer_scalar"))
     assert last["total_params"] == stored
+    # the vision tower and its projection, apart: every parameter (buffers are not parameters)
+    vision = sum(p.numel() for name, p in hf.named_parameters() if "vision" in name)
+    assert last["vision_params"] == vision > 0 and "vision tower" in proc.stdout
+    assert last["weight_bytes"]["bf16"] == 2 * (stored + vision)
 
 
 def test_info_bad_preset():

@@ -152,12 +152,6 @@ def test_gradients_flow_through_encoder_and_decoder():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-def test_image_input_is_refused_clearly():
-    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
-    with pytest.raises(ValueError, match="image input is not supported"):
-        model.encode(torch.zeros(1, 3, dtype=torch.long), model.new_cache(1, 8), pixel_values=torch.zeros(1, 3, 8, 8))
-
-
 @torch.no_grad()
 def test_rows_at_different_lengths_share_one_cache(hf_checkpoints):
     """An engine keeps requests at different points in one cache: each row must behave as if alone."""

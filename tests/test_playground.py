@@ -251,7 +251,8 @@ def run_page(browser: Browser, **fields):
             fill(browser, element_id, value)
     browser.js("document.getElementById('run').click()")
     browser.wait_for("['done', 'error'].includes(document.body.dataset.state)", timeout=120)
-    assert browser.js("document.body.dataset.state") == "done", browser.js("document.getElementById('error').textContent")
+    error = browser.js("document.getElementById('error').textContent")
+    assert browser.js("document.body.dataset.state") == "done", error
 
 
 def test_playground_json_schema_tool_calls_and_thoughts(gemma4_chat_model_dir, browser):

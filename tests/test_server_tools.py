@@ -99,8 +99,8 @@ def test_tool_choice_none_keeps_the_declarations(client, tokenizer):
     messages = [{"role": "user", "content": "Weather?"}]
     counts = [client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice,
                                              max_tokens=16, seed=1).usage.prompt_tokens for choice in ("none", "auto")]
-    assert counts[0] == counts[1] == len(tokenizer.encode(_prompt(tokenizer, {"messages": messages, "tools": [WEATHER]}),
-                                                          add_special_tokens=False))
+    prompt = _prompt(tokenizer, {"messages": messages, "tools": [WEATHER]})
+    assert counts[0] == counts[1] == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 # -- n choices ------------------------------------------------------------------------------------------
@@ -159,6 +159,11 @@ BAD = [
      "expected a JSON object in a string"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"logprobs": True, "top_logprobs": 2}, "logprobs are not available"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "a required or named tool_choice writes the answer itself"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs: cannot build the token automaton"),
+    ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "cannot both shape"),
 ]
 
 

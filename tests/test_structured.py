@@ -285,3 +285,15 @@ def test_special_tokens_take_part_only_where_the_regex_names_them(gemma_tokenize
         text = tokenizer.decode(tokens, skip_special_tokens=False)
         assert text.startswith('<|tool_call>call:get{city:<|"|>') and text.endswith('<|"|>}')
         assert 1 <= len(text[len('<|tool_call>call:get{city:<|"|>'): -len('<|"|>}')]) <= 6
+
+
+def test_without_eos_ids_the_answer_fills_the_budget_and_ends_accepted():
+    """Fixed-length answers (no EOS ids, as the sudoku task): the last position must leave an accepting state."""
+    vocab = TokenVocabulary(SMALL, size=len(SMALL))
+    automaton = regex_constraint(r"(ab|c)+", vocab)
+    torch.manual_seed(3)
+    for _ in range(10):
+        probs = torch.softmax(torch.randn(5, len(SMALL)) * 2, -1)
+        choice = constrained_canvas(automaton, probs, automaton.initial, budget=5, eos_token_ids=(), pad_token_id=PAD)
+        assert not choice.cut and choice.state != ENDED and automaton.is_final(choice.state)
+        assert automaton.walk(choice.tokens.tolist()) == choice.state

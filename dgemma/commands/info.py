@@ -24,24 +24,26 @@ def add_arguments(p):
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
     """Bytes of weights as `dgemma.model.quant` stores them: every linear and the fused experts quantised
-    group-wise (+ one fp16 scale per group); the tied embedding / LM head, router and norms kept bf16."""
+    group-wise (+ one fp16 scale per group); the tied embedding / LM head, router, norms and the vision
+    tower kept bf16."""
     counts = config.param_counts()
+    vision = counts.get("vision", 0)
     if fmt == "bf16":
-        return int(counts["total"] * 2)
+        return int((counts["total"] + vision) * 2)
     kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size  # + SC pre-norm
     quantised = counts["total"] - kept
-    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 2 + kept * 2)
+    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 2 + (kept + vision) * 2)
 
 
 def weight_arithmetic(config: ModelConfig, fmt: str) -> str:
     counts = config.param_counts()
     if fmt == "bf16":
-        return f"{counts['total'] / 1e9:.3f}B x 2 B"
-    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size
+        return f"{(counts['total'] + counts.get('vision', 0)) / 1e9:.3f}B x 2 B"
+    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size + counts.get("vision", 0)
     quantised = counts["total"] - kept
     per = BYTES_PER_WEIGHT[fmt] + 2 / GROUP_SIZE[fmt]
     return (f"{quantised / 1e9:.3f}B quantised x ({BYTES_PER_WEIGHT[fmt]} B + one 2 B scale per {GROUP_SIZE[fmt]} "
-            f"= {per:.4f} B) + {kept / 1e9:.3f}B kept bf16 (embedding/LM head, routers, norms) x 2 B")
+            f"= {per:.4f} B) + {kept / 1e9:.3f}B kept bf16 (embedding/LM head, routers, norms, vision tower) x 2 B")
 
 
 def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dict:
@@ -76,8 +78,9 @@ def summary(config: ModelConfig) -> dict:
     return {
         "total_params": counts["total"],
         "active_params": counts["active"],
+        "vision_params": counts.get("vision", 0),
         "weight_bytes": {fmt: weight_bytes(config, fmt) for fmt in BYTES_PER_WEIGHT},
-        "params_by_group": {k: v for k, v in counts.items() if k not in ("total", "active")},
+        "params_by_group": {k: v for k, v in counts.items() if k not in ("total", "active", "vision")},
     }
 
 
@@ -132,6 +135,11 @@ def run(args):
           "(tied embedding counted once)")
     for group, n in info["params_by_group"].items():
         print(f"  {group:<15}{n:>16,}")
+    if c.vision is not None:
+        v = c.vision
+        print(f"vision tower     {info['vision_params']:,} parameters apart from the above (kept bf16 when "
+              f"quantised): {v.num_layers} layers of {v.hidden_size}, {v.patch_size}-pixel patches pooled "
+              f"{v.pooling_kernel_size}x{v.pooling_kernel_size} into soft tokens")
     for fmt, n in info["weight_bytes"].items():
         print(f"weights {fmt:<8} {_gb(n)}")
     print(f"memory model     {args.quantize} weights, batch {args.batch}, context {args.context}:")
@@ -141,6 +149,7 @@ def run(args):
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
     checkpoint = {k: v for k, v in checked.items() if k != "skipped_by_reason"} if checked else None
-    print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "weight_bytes")}, "memory": mem,
+    print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "vision_params", "weight_bytes")},
+                      "memory": mem,
                       **({"checkpoint": checkpoint} if checkpoint else {})}))
     return 0

@@ -54,16 +54,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # Masks (pure functions of positions)
 # ---------------------------------------------------------------------------------------------
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Encoder mask. q_pos (B, T), k_pos (B, S) with -1 for empty/padding -> (B, 1, T, S) bool.
 
     A query sees keys at positions <= its own and, on sliding layers, within the last `window`.
+    `blocks` (B, T): the new tokens, which are the last T keys, grouped: tokens of one group >= 0 (an
+    image's soft tokens) also see each other both ways, whatever the window; -1 is no group.
     """
     q, k = q_pos[:, :, None], k_pos[:, None, :]
     visible = (k >= 0) & (k <= q)
     if window is not None:
         visible &= (q - k) < window
+    if blocks is not None:
+        T = blocks.shape[1]
+        visible[:, :, -T:] |= (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
     return _never_empty(visible)[:, None]
+
+
+def image_blocks(is_image: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True on image soft tokens -> (B, T) long: each run of consecutive image tokens (one
+    image) numbered 0, 1, ... along the row, -1 elsewhere."""
+    starts = is_image.clone()
+    starts[:, 1:] &= ~is_image[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(dim=1) - 1, -1)
 
 
 def canvas_mask(cached_pos: torch.Tensor, canvas_start: torch.Tensor, canvas_len: int, window: int | None):

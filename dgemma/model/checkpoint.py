@@ -158,6 +158,14 @@ def read_headers(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+def without_missing_vision(config: ModelConfig, stored: dict[str, StoredTensor]) -> ModelConfig:
+    """transformers' config.json always describes a vision tower; a checkpoint that stores none is text-only."""
+    vision_keys = tuple(MULTIMODAL + p for p in VISION_PREFIXES)
+    if config.vision is not None and not any(key.startswith(vision_keys) for key in stored):
+        return config.replace(vision=None)
+    return config
+
+
 # -- what to do with each key -----------------------------------------------------------------------
 @dataclass
 class LoadPlan:
@@ -223,6 +231,7 @@ def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], Load
     path = Path(path)
     cfg, config = model_config(path)
     stored = read_headers(path)
+    config = without_missing_vision(config, stored)
     with torch.device("meta"):
         model = DiffusionGemma(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -241,6 +250,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     sampling = SamplingConfig.from_hf_dict({"eos_token_id": eos, "pad_token_id": config.pad_token_id, **gen})
 
     stored = read_headers(path)
+    config = without_missing_vision(config, stored)
     with torch.device("meta"):
         model = DiffusionGemma(config, sampling)
     model.hf_config, model.hf_generation_config = cfg, gen

@@ -23,11 +23,13 @@ from dgemma.model.attention import (
     apply_rope,
     canvas_mask,
     causal_mask,
+    image_blocks,
     rope_inv_freq,
     rope_tables,
 )
 from dgemma.model.experts import Experts, register_for_compile
 from dgemma.model.layers import GatedMLP, RMSNorm
+from dgemma.model.vision import VisionEmbedder, VisionTower
 
 
 # The eager LM head writes its fp32 logits this many elements at a time (see `DiffusionGemma.head`).
@@ -195,6 +197,11 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
+        # the image path: Gemma 4's vision tower, and the map of its soft tokens into the embedding space
+        self.vision_tower = self.embed_vision = None
+        if config.vision is not None:
+            self.vision_tower = VisionTower(config.vision)
+            self.embed_vision = VisionEmbedder(config.vision, config.hidden_size)
         self._inv_freq: dict = {}
         self._compiled_encoder = None  # `encode_tokens` compiled, for passes without gradients
         if self.embed_tokens.weight.device.type != "meta":
@@ -252,6 +259,16 @@ class DiffusionGemma(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale()
 
+    def embed_images(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Images as patches (N, P, 3 p^2) and their patch positions (N, P, 2), as `dgemma.images` makes them ->
+        the embeddings of their soft tokens (n, H), image after image (n: all their soft tokens)."""
+        if self.vision_tower is None:
+            raise ValueError("image input needs a vision tower, and this model has none (no vision weights)")
+        if image_position_ids is None:
+            raise ValueError("pixel_values come with image_position_ids (dgemma.images makes both)")
+        soft, filled = self.vision_tower(pixel_values.to(self.device), image_position_ids.to(self.device))
+        return self.embed_vision(soft[filled])
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, tied LM head, soft-capping: (..., H) -> (..., V) fp32.
 
@@ -292,17 +309,30 @@ class DiffusionGemma(nn.Module):
         return_logits: bool = True,
         return_hidden: bool = False,
         pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
     ):
         """input_ids (B, T) -> logits (B, T, V) fp32 (or hidden (B, T, H)); appends to the cache.
 
         Row b's tokens sit at positions cache length of b, +1, ...; `rows` (B,) picks cache rows (all if
         None). attention_mask (B, T) False marks padding: never attended, its position still used.
+        Images: pixel_values (N, P, 3 p^2) and image_position_ids (N, P, 2) of the N images the prompts
+        hold, in order (row by row); their soft tokens take the places of the `image_token_id` tokens
+        (see `dgemma.images`). With use_bidirectional_attention="vision" one image's tokens see each
+        other both ways.
         """
-        if pixel_values is not None:
-            raise ValueError("image input is not supported: dgemma runs DiffusionGemma's text path only")
         B, T = input_ids.shape
         cache.check_room(T, rows)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        images = blocks = None
+        if pixel_values is not None:
+            is_image = (input_ids == self.config.image_token_id) & valid  # (B, T)
+            soft = self.embed_images(pixel_values, image_position_ids)
+            if int(is_image.sum()) != soft.shape[0]:
+                raise ValueError(f"the prompt holds {int(is_image.sum())} image tokens for the {soft.shape[0]} "
+                                 f"soft tokens of {pixel_values.shape[0]} images")
+            images = (is_image, soft)
+            if self.config.use_bidirectional_attention == "vision":
+                blocks = image_blocks(is_image)
         positions = cache.lengths(rows)[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
         key_pos = torch.where(valid, positions, torch.full_like(positions, -1))
         rope = self._rope(positions)
@@ -310,12 +340,13 @@ class DiffusionGemma(nn.Module):
         for sliding in (False, True):
             key_positions[sliding] = torch.cat([cache.cached_positions(sliding, rows), key_pos], dim=1)  # (B, S+T)
             window = self.config.sliding_window if sliding else None
-            masks[sliding] = causal_mask(positions, key_positions[sliding], window)
+            masks[sliding] = causal_mask(positions, key_positions[sliding], window, blocks)
         key_rope = {False: rope_tables(key_positions[False], self.inv_freq(False), self.dtype), True: None}
         prefixes = [cache.view(i, block.self_attn.sliding, rows)[:2] for i, block in enumerate(self.layers)]
-        compiled = self._compiled_encoder is not None and not torch.is_grad_enabled()
+        # prompts with images run eagerly (rare, and a graph less to compile)
+        compiled = self._compiled_encoder is not None and not torch.is_grad_enabled() and images is None
         layers = self._compiled_encoder if compiled else self.encode_tokens
-        x, entries = layers(input_ids, prefixes, rope, key_rope, masks)
+        x, entries = layers(input_ids, prefixes, rope, key_rope, masks, images)
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
         cache.commit_positions(rows, positions, valid)
@@ -323,14 +354,18 @@ class DiffusionGemma(nn.Module):
             return x
         return self.head(x) if return_logits else None
 
-    def encode_tokens(self, input_ids, prefixes, rope, key_rope, masks):
+    def encode_tokens(self, input_ids, prefixes, rope, key_rope, masks, images=None):
         """The encoder's layers on tensors alone (its compile boundary): input_ids (B, T) -> hidden (B, T, H)
         and every layer's cache entries (k, v), each (B, Hkv, T, D), v None on full layers.
 
         prefixes[i] = layer i's cached (keys, values or None), each (B, Hkv, S, D); the new tokens attend
-        to them and to each other (`masks`), and the cache is written by the caller.
+        to them and to each other (`masks`), and the cache is written by the caller. images: None, or
+        (is_image (B, T) bool, soft token embeddings (n, H)) to put in place of the marked tokens, in order.
         """
         x = self.embed(input_ids)
+        if images is not None:
+            is_image, soft = images
+            x = x.masked_scatter(is_image[..., None], soft.to(x.dtype))
         entries = []
         for block, (old_k, old_v) in zip(self.layers, prefixes):
             s = block.self_attn.sliding

@@ -126,7 +126,7 @@ class QuantExperts(Experts):
 
 
 def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
-    """Replace linears (router excepted) and fused experts with quantised twins.
+    """Replace linears (router and vision tower excepted) and fused experts with quantised twins.
 
     Returns {original parameter name: the quantised module that now takes that dense tensor}.
     """
@@ -137,6 +137,8 @@ def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if full.startswith(("vision_tower", "embed_vision")):
+                continue  # a few percent of the weights, run once per image: kept in the model dtype
             if isinstance(child, nn.Linear) and not full.endswith("router.proj"):
                 # (the router stays exact: a flipped top-k choice changes which experts run at all)
                 new = QuantLinear(child.in_features, child.out_features, fmt, dtype, device=child.weight.device)

@@ -8,8 +8,11 @@ Routes
                               (max_tokens 0 or 1) the prompts are scored instead (engine/scoring.py)
   POST /v1/chat/completions   messages -> reply, through the model's chat template
 
-A request becomes one engine request per prompt and choice (see worker.py); its committed canvases become text through
-`TextAssembler`, its drafts (only when asked for) become `dgemma_draft` chunks (protocol.py).
+A request becomes one engine request per prompt and choice (`n`, see worker.py); its committed canvases
+become text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
+`ChatOutput` (chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (protocol.py).
+A constraint (response_format, structured_outputs.regex, a required or named tool_choice) is a token
+automaton that rides along with the engine request.
 Every failure a client can cause is a 4xx in OpenAI's error shape; the server keeps running.
 """
 
@@ -272,8 +275,6 @@ async def _tool_constraint(state: ServerState, body: ChatCompletionRequest, temp
 async def _constraint_for(state: ServerState, body):
     """The request's response_format as a token automaton (None for plain text); a schema outside the
     supported subset is a 400 that names the keyword."""
-    from dgemma.structured import ConstraintError, SchemaError
-
     structured = body.structured
     if structured is None:
         return None

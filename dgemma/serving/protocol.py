@@ -87,6 +87,13 @@ class StreamOptions(BaseModel):
     include_drafts: StrictBool = False  # dgemma: draft chunks while a canvas denoises
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's field: the answer matches `regex`. JSON answers come from response_format instead."""
+
+    model_config = ConfigDict(extra="forbid")
+    regex: _strict(str, min_length=1)
+
+
 class _Generation(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -99,7 +106,7 @@ class _Generation(BaseModel):
     seed: Seed | None = None
     n: _strict(int, ge=1, le=MAX_CHOICES) | None = None  # choices: one prompt, seeds seed, seed+1, ...
     response_format: dict | None = None
-    structured_outputs: dict | None = None  # vLLM's {"regex": PATTERN}: the answer matches the pattern
+    structured_outputs: StructuredOutputs | None = None
     # the diffusion sampler
     steps: Steps | None = None
     entropy_bound: EntropyBound | None = None
@@ -136,22 +143,13 @@ class _Generation(BaseModel):
                 raise ValueError("json_schema.strict must be true or false")
         return value
 
-    @field_validator("structured_outputs", mode="after")
-    @classmethod
-    def _regex_only(cls, value):
-        if value is None:
-            return None
-        if set(value) != {"regex"} or not isinstance(value["regex"], str) or not value["regex"]:
-            raise ValueError("expected {\"regex\": PATTERN} (JSON answers: response_format)")
-        return value
-
     @property
     def structured(self) -> tuple[str, dict | str | None] | None:
         """("json_schema", schema) / ("json_object", None) / ("regex", pattern) when the answer is
         constrained, else None. A schema is enforced whether or not `strict` is set: a constrained answer
         is always valid."""
         if self.structured_outputs is not None:
-            return "regex", self.structured_outputs["regex"]
+            return "regex", self.structured_outputs.regex
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_schema":
             return kind, self.response_format["json_schema"]["schema"]

@@ -150,7 +150,8 @@ class CallGrammar:
 
     def _resolve(self, ref: Any, path: str, refs: tuple[str, ...]) -> dict:
         if not isinstance(ref, str) or not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref):
-            raise SchemaError(f"{path}.$ref: only local references into $defs or definitions are supported, got {ref!r}")
+            raise SchemaError(f"{path}.$ref: only local references into $defs or definitions are supported, "
+                              f"got {ref!r}")
         if ref in refs:
             raise SchemaError(f"{path}.$ref: {ref} refers to itself (recursive schemas are not supported)")
         section, name = ref[2:].split("/", 1)

@@ -100,6 +100,9 @@ class _Plan:
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
         self.pad = pad_token_id
         self.fill = torch.cat([self.eos, torch.tensor([pad_token_id], device=device)]).unique()
+        # the tokens an answer needs past an accepting state: its EOS; without EOS ids the answer ends
+        # where the budget does, in an accepting state
+        self.eos_cost = 1 if len(self.eos) else 0
         self._scores: dict[str, tuple] = {}
 
     def scores(self, semiring: str):
@@ -109,13 +112,17 @@ class _Plan:
             a, p = self.a, self.probs[: self.n, : self.a.vocab_size]
             classes = torch.where(a.token_class >= 0, a.token_class, self.C)
             out = p.new_zeros(self.n, self.C + 1)
+            eos = p[:, self.eos] if len(self.eos) else p.new_zeros(self.n, 1)  # no EOS: never ends early
             if semiring == "max":
                 out.scatter_reduce_(1, classes.expand(self.n, -1), p, "amax")
-                eos, fill = p[:, self.eos].amax(-1), p[:, self.fill].amax(-1)
+                eos, fill = eos.amax(-1), p[:, self.fill].amax(-1)
             else:
                 out.index_add_(1, classes, p)
-                eos, fill = p[:, self.eos].sum(-1), p[:, self.fill].sum(-1)
-            self._scores[semiring] = tuple(x.clamp_min(_TINY).log() for x in (out[:, : self.C], eos, fill))
+                eos, fill = eos.sum(-1), p[:, self.fill].sum(-1)
+            scores = [x.clamp_min(_TINY).log() for x in (out[:, : self.C], eos, fill)]
+            if not len(self.eos):
+                scores[1] = torch.full_like(scores[1], float("-inf"))
+            self._scores[semiring] = tuple(scores)
         return self._scores[semiring]
 
     def forward(self, state: int, within_budget: bool, *, semiring: str):
@@ -151,7 +158,7 @@ class _Plan:
                 new[Q] = into_end.logsumexp(0)
             if within_budget:  # the answer must still be able to end inside the budget
                 left = self.budget - (i + 1)
-                new[:Q] = torch.where(a.distance + 1 > left, neg, new[:Q])
+                new[:Q] = torch.where(a.distance + self.eos_cost > left, neg, new[:Q])
             W = new
             alphas.append(W)
         if maximise:
