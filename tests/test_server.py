@@ -337,10 +337,10 @@ def test_bad_chat_bodies_are_400_through_the_client(client, change, message):
 @pytest.mark.parametrize("prompt,message", [
     ("", "the prompt is empty"),
     ([], "the prompt is empty"),
-    (["one", "two"], "one prompt per request"),
+    (["one", ""], "prompt 1 is empty"),
     ([5, 999], "token id 999 is outside the vocabulary"),
     ([-1], "token id -1 is outside the vocabulary"),
-    ({"text": "hi"}, "expected a string or a list of token ids"),
+    ({"text": "hi"}, "expected a string, a list of token ids, or a list of either"),
 ])
 def test_bad_prompts(client, prompt, message):
     with pytest.raises(openai.BadRequestError) as caught:

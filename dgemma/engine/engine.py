@@ -11,6 +11,10 @@ Each iteration (`step`):
   3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
      for each; rows that produced EOS or reached max_new_tokens finish and free their row.
 
+Scoring requests (evaluation harnesses) take rows too, but are not continued: those admitted in one step
+are scored together by the causal encoder (scoring.py), one chunk per step beside the denoising forward,
+and leave when scored.
+
 Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
 request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s.
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
@@ -30,6 +34,7 @@ from dgemma.config import SamplingConfig
 from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Scheduler
+from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos, template_slice
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
 from dgemma.sampling.sampler import scan_logits
@@ -41,7 +46,8 @@ def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -
 
 
 class Engine:
-    def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64):
+    def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64,
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
         self.model = model
         self.canvas_length = model.config.canvas_length
         self.vocab_size = model.config.vocab_size
@@ -49,6 +55,9 @@ class Engine:
         self.runner = Runner(model, max_batch, max_length)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.forwards = 0  # decoder forwards run, for benchmarks
+        self.scoring: list[ScoringBatch] = []  # batches of scoring requests in progress, oldest first
+        self.scored_tokens = 0  # prompt tokens the encoder ran for scoring (shared prefixes once), for benchmarks
+        self.score_chunk_tokens = score_chunk_tokens
         # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
         self.scan = torch.compile(scan_logits, dynamic=True) if model.decoder_compiled else scan_logits
 
@@ -78,8 +87,26 @@ class Engine:
 
     # -- requests in and out (any thread) ----------------------------------------------------
     def submit(self, request: Request) -> Request:
+        self.check_fits(request)
+        self.scheduler.add(request)
+        return request
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue requests together, all or none (QueueFull when they do not all fit the queue)."""
+        for r in requests:
+            self.check_fits(r)
+        self.scheduler.add_all(requests)
+        return requests
+
+    def check_fits(self, request: Request):
+        """ValueError when the request can never fit a cache row."""
         if not request.prompt:
             raise ValueError("the prompt is empty")
+        if request.scoring:
+            if len(request.prompt) > self.max_length:
+                raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit: the engine holds "
+                                 f"{self.max_length} positions")
+            return
         if request.constraint is not None and request.fixed is not None:
             raise ValueError("a canvas template and a constraint cannot be combined")
         self._check_images(request)
@@ -90,8 +117,6 @@ class Engine:
                 f"(rounded up to whole canvases of {self.canvas_length}) needs {need} positions; "
                 f"the engine holds {self.max_length}"
             )
-        self.scheduler.add(request)
-        return request
 
     def cancel(self, request: Request):
         self.scheduler.cancel(request)
@@ -102,8 +127,13 @@ class Engine:
     # -- the loop (one thread) -----------------------------------------------------------------
     def step(self):
         for r in self.scheduler.take_cancelled():
-            self._finish(r, "cancelled")
+            if not (r.scoring and r.row is not None):  # a batch being scored finishes its own requests
+                self._finish(r, "cancelled")
+        to_score = []
         for r in self.scheduler.admit():
+            if r.scoring:
+                to_score.append(r)
+                continue
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
             if r.constraint is not None:
                 from dgemma.structured.answer import ConstrainedAnswer
@@ -112,8 +142,16 @@ class Engine:
             self.runner.prefill(r.row, r.prompt, r.images)
             r.images = None  # the pixels are in the cache now
             self._start_canvas(r)
-        if self.active:
+        if to_score:
+            self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens))
+        if self.scoring:
+            self._score_step()
+        if self.generating:
             self._denoise_step()
+
+    @property
+    def generating(self) -> list[Request]:
+        return [r for r in self.active if not r.scoring]
 
     def run_until_done(self, requests: list[Request]):
         while not all(r.done for r in requests):
@@ -140,6 +178,14 @@ class Engine:
         for r in requests:
             self._check_images(r)
         for r in requests:  # the engine's own queue bound does not apply to a direct batch call
+            self.scheduler.add(r, bounded=False)
+        self.run_until_done(requests)
+        return requests
+
+    def score(self, prompts: list[list[int]], top: int = 1) -> list[Request]:
+        """Convenience: score every prompt (`Request.scores`), with `top` alternatives per position."""
+        requests = [Request(prompt=list(p), sampling=None, seed=0, score_top=top) for p in prompts]
+        for r in requests:
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
         return requests
@@ -184,8 +230,19 @@ class Engine:
         r.argmax = r.canvas
         r.history = new_argmax_history(r.sampling.stability_threshold, 1, L, device)
 
+    def _score_step(self):
+        """One chunk of every scoring batch; a finished (or wholly cancelled) batch frees its rows."""
+        for batch in list(self.scoring):
+            if not batch.cancelled:
+                batch.advance(self.model, self.runner.cache)
+            if batch.done or batch.cancelled:
+                self.scoring.remove(batch)
+                self.scored_tokens += batch.encoded_tokens
+                for r in batch.requests:
+                    self._finish(r, "cancelled" if r.cancel_requested else "scored")
+
     def _denoise_step(self):
-        batch = list(self.active)
+        batch = self.generating
         logits = self.runner.denoise([r.row for r in batch], torch.stack([r.canvas for r in batch]),
                                      [r.soft for r in batch])  # (n, L, V): the one big buffer
         self.forwards += 1

@@ -6,11 +6,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from dgemma.config import SamplingConfig
+
+if TYPE_CHECKING:
+    from dgemma.engine.scoring import PromptScores
 
 
 class Status(enum.Enum):
@@ -22,16 +25,17 @@ class Status(enum.Enum):
 
 @dataclass
 class Event:
-    """What a request reports to its owner. kind: "draft" | "canvas" | "finished"."""
+    """What a request reports to its owner. A scoring request reports only "finished" (reason "scored"),
+    its scores on the request."""
 
-    kind: str
+    kind: str  # "draft" | "canvas" | "finished"
     request_id: str
     canvas_index: int
     step: int = 0
     tokens: list[int] = field(default_factory=list)  # "canvas": new tokens; "draft": the argmax canvas
     entropy: list[float] | None = None  # "draft": per position
     accepted: list[bool] | None = None  # "draft": per position
-    finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled" | "scored"
 
 
 _ids = itertools.count()
@@ -40,11 +44,14 @@ _ids = itertools.count()
 @dataclass
 class Request:
     prompt: list[int]
-    sampling: SamplingConfig
+    sampling: SamplingConfig | None  # None for a scoring request
     seed: int
     fixed: torch.Tensor | None = None  # (W,) bool: canvas template over generated positions
     fixed_tokens: torch.Tensor | None = None  # (W,) long
     want_drafts: bool = False
+    # A scoring request is not continued: its prompt's log-probabilities are computed (engine/scoring.py)
+    # with this many most likely alternatives per position (at least 1: the token after the prompt).
+    score_top: int | None = None
     constraint: object | None = None  # a dgemma.structured.TokenAutomaton: the answer is in its language
     # dgemma.images.ImageInputs: the images whose soft tokens fill the prompt's image tokens, in order
     # (released once the prompt is encoded)
@@ -69,6 +76,7 @@ class Request:
 
     # output and statistics
     tokens: list[int] = field(default_factory=list)
+    scores: "PromptScores | None" = None  # a scoring request's result
     finish_reason: str | None = None
     steps_per_canvas: list[int] = field(default_factory=list)
     forward_passes: int = 0
@@ -80,6 +88,10 @@ class Request:
     def emit(self, event: Event):
         if self.on_event is not None:
             self.on_event(event)
+
+    @property
+    def scoring(self) -> bool:
+        return self.score_top is not None
 
     @property
     def done(self) -> bool:

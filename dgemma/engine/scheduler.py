@@ -36,6 +36,14 @@ class Scheduler:
             self.waiting.append(request)
         self.wakeup.set()
 
+    def add_all(self, requests: list[Request]):
+        """Queue requests together: all of them, or none and QueueFull (one HTTP request's prompts)."""
+        with self.lock:
+            if len(self.waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.extend(requests)
+        self.wakeup.set()
+
     def cancel(self, request: Request):
         request.cancel_requested = True
         self.wakeup.set()

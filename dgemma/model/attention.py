@@ -256,6 +256,22 @@ class KVCache:
         for r in self._row_list(rows):
             self.row_lengths[r] += positions.shape[1]
 
+    def copy_row(self, source: int, targets: list[int]):
+        """Give `targets` the exact contents of row `source` (entries, slot positions, length): a prefix
+        encoded once serves several continuations, each then appended in its own row."""
+        self._memo.clear()
+        idx = torch.tensor(targets, dtype=torch.long, device=self.device)
+        c = self.canvas_slots
+        for i in range(self.config.num_layers):
+            end = c + min(self.row_lengths[source], self.capacity[self.config.is_sliding(i)])
+            for buffers in (self.keys, self.values):
+                if buffers[i] is not None:
+                    buffers[i][idx, :, c:end] = buffers[i][source : source + 1, :, c:end].clone()
+        for p in self.slot_pos.values():
+            p[idx] = p[source].clone()
+        for r in targets:
+            self.row_lengths[r] = self.row_lengths[source]
+
     def reset_rows(self, rows: list[int]):
         """Free rows for new requests (their old slots become invisible)."""
         self._memo.clear()

@@ -4,12 +4,13 @@ Routes
   GET  /                      the playground (static files in ./static, no network needed)
   GET  /health                {"status": "ok", "active", "waiting", ...}; no API key needed
   GET  /v1/models             the one served model, with a `dgemma` field (task, canvas, defaults)
-  POST /v1/completions        prompt -> text; stream: true for server-sent events
+  POST /v1/completions        prompt(s) -> text; stream: true for server-sent events; with `logprobs`
+                              (max_tokens 0 or 1) the prompts are scored instead (engine/scoring.py)
   POST /v1/chat/completions   messages -> reply, through the model's chat template; user messages may
                               hold images (image_url parts) when the model has a vision tower
 
-A request becomes one engine request per choice (`n`, see worker.py); its committed canvases become
-text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
+A request becomes one engine request per prompt and choice (`n`, see worker.py); its committed canvases
+become text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
 `ChatOutput` (chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (protocol.py).
 A constraint (response_format, structured_outputs.regex, a required or named tool_choice) is a token
 automaton that rides along with the engine request.
@@ -44,11 +45,14 @@ from dgemma.serving.protocol import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     error_body,
     parse,
     usage,
 )
+from dgemma.serving.scores import scored_choice
 from dgemma.serving.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
@@ -109,11 +113,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = parse(CompletionRequest, await _read_json(request, state.max_body_bytes))
         _check_model(state, body.model)
-        if isinstance(body.prompt, str):
-            prompt = _encode(state.codec.encode_text, body.prompt)
-        else:
-            prompt = _encode(state.codec.check_ids, body.prompt)
-        return await _generate(state, request, body, prompt, body.max_tokens, chat=False)
+        prompts = [_encode(state.codec.encode_text if isinstance(p, str) else state.codec.check_ids, p)
+                   for p in body.prompt]
+        # echo: the prompt as sent, or decoded from its ids
+        echoes = [p if isinstance(p, str) else state.codec.decode(ids) for p, ids in zip(body.prompt, prompts)]
+        if body.scoring:
+            return await _score(state, request, body, prompts, echoes)
+        if body.max_tokens == 0:
+            return _echo_only(state, body, prompts, echoes)
+        return await _generate(state, request, body, prompts, body.max_tokens, chat=False,
+                               echoes=echoes if body.echo else None)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -125,11 +134,43 @@ def create_app(state: ServerState) -> FastAPI:
         if images is not None:
             prompt = state.images.expand(prompt, images)
         constraint = await _tool_constraint(state, body, template_kwargs)
-        return await _generate(state, request, body, prompt, body.token_limit, chat=True,
+        return await _generate(state, request, body, [prompt], body.token_limit, chat=True,
                                parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
 
+    # the tokenizer, as vLLM serves it: lm-eval's local-completions finds these and counts with them
+    tokenizer = APIRouter(dependencies=[Depends(_api_key_check(state))])
+
+    @tokenizer.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = _text_tokenizer(state)
+        return {"tokenizer_class": "dgemma", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": tok.backend.id_to_token(state.sampling.pad_token_id), "chat_template": tok.chat_template,
+                "model_max_length": state.worker.max_length}
+
+    @tokenizer.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse(TokenizeRequest, await _read_json(request, state.max_body_bytes))
+        _check_model(state, body.model)
+        tokens = _text_tokenizer(state).encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.worker.max_length, "tokens": tokens, "token_strs": None}
+
+    @tokenizer.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse(DetokenizeRequest, await _read_json(request, state.max_body_bytes))
+        _check_model(state, body.model)
+        tok = _text_tokenizer(state)
+        ids = _encode(state.codec.check_ids, body.tokens) if body.tokens else []
+        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+
     app.include_router(v1)
+    app.include_router(tokenizer)
     return app
+
+
+def _text_tokenizer(state: ServerState):
+    if state.codec.task != "text":
+        raise APIError(404, f"a {state.codec.task} model has no tokenizer to serve")
+    return state.codec.tokenizer
 
 
 # -- checks -------------------------------------------------------------------------------------------
@@ -276,23 +317,29 @@ class Choice:
     stream: RequestStream
     assembler: TextAssembler  # tokens -> text deltas, stop strings
     output: ChatOutput | None  # chat: text -> reasoning, content, tool calls
+    echo: str = ""  # a completion with echo: the prompt's text, sent first
 
 
-async def _generate(state: ServerState, request: Request, body, prompt: list[int], max_tokens: int | None,
-                    *, chat: bool, parse_tools: bool = False, constraint=None, images=None):
-    sampling = _sampling_for(state, body, prompt, max_tokens)
+async def _generate(state: ServerState, request: Request, body, prompts: list[list[int]], max_tokens: int | None,
+                    *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
+                    images=None):
+    """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
+    text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
+    samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
     answer_format = await _constraint_for(state, body)
     if answer_format is not None and constraint is not None:
         raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
                           "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
-    streams = _submit(state, body, prompt, sampling, constraint or answer_format, images)
+    streams = _submit(state, body, prompts, samplings, constraint or answer_format, images)
     decode = state.codec.decode_chat if chat else state.codec.decode
     choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
-                      ChatOutput(parse_tools) if chat else None) for i, stream in enumerate(streams)]
+                      ChatOutput(parse_tools) if chat else None, echoes[i // body.choices] if echoes else "")
+               for i, stream in enumerate(streams)]
     writer = ChunkWriter(chat, state.model_name)
+    prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         cancel = BackgroundTask(_cancel_all, state.worker, streams)  # runs when the response ends or the client leaves
-        return StreamingResponse(_stream_chunks(state, body, choices, writer, len(prompt)),
+        return StreamingResponse(_stream_chunks(state, body, choices, writer, prompt_tokens),
                                  media_type="text/event-stream", background=cancel,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, streams))
@@ -301,34 +348,89 @@ async def _generate(state: ServerState, request: Request, body, prompt: list[int
     finally:
         watcher.cancel()
         _cancel_all(state.worker, streams)
-    counts = usage(len(prompt), sum(len(c.assembler.tokens) for c in choices))
+    counts = usage(prompt_tokens, sum(len(c.assembler.tokens) for c in choices))
     stats = _stats(state, choices[0])
     if len(choices) > 1:
         stats["choices"] = [_stats(state, c) for c in choices]
     return writer.response(answers, counts, stats)
 
 
-def _submit(state: ServerState, body, prompt: list[int], sampling: SamplingConfig, constraint,
+def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[SamplingConfig], constraint,
             images=None) -> list[RequestStream]:
-    """One engine request per choice, seeds seed, seed+1, ... (random when none is given); all or none."""
+    """One engine request per prompt and choice, a prompt's choices seeded seed, seed+1, ... (random when
+    none is given); all or none."""
     n = body.choices
-    if n > state.worker.max_queue:
-        raise bad_request(f"n: at most {state.worker.max_queue} choices fit this server's queue", param="n")
+    if n * len(prompts) > state.worker.max_queue:
+        raise bad_request(f"at most {state.worker.max_queue} prompts times n choices fit this server's queue",
+                          param="n" if len(prompts) == 1 else "prompt")
     base = body.seed if body.seed is not None else secrets.randbits(63)
     streams: list[RequestStream] = []
+    with _engine_errors(state):
+        try:
+            for prompt, sampling in zip(prompts, samplings):
+                for i in range(n):
+                    streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63,
+                                                       constraint=constraint, want_drafts=body.include_drafts,
+                                                       images=images))
+        except BaseException:
+            _cancel_all(state.worker, streams)
+            raise
+    return streams
+
+
+@contextlib.contextmanager
+def _engine_errors(state: ServerState):
+    """What submitting to the engine raises, as the client's errors: queue full, too long, not running."""
     try:
-        for i in range(n):
-            streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63, constraint=constraint,
-                                               want_drafts=body.include_drafts, images=images))
+        yield
     except QueueFull as e:
-        _cancel_all(state.worker, streams)
         raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(state.worker.retry_after())}) from None
     except ValueError as e:  # the engine's own length check
         raise bad_request(str(e), code="context_length_exceeded") from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
-    return streams
+
+
+async def _score(state: ServerState, request: Request, body: CompletionRequest, prompts: list[list[int]],
+                 echoes: list[str]):
+    """Score the prompts together (engine/scoring.py): one choice per prompt, in OpenAI's logprobs shape."""
+    too_long = [len(p) for p in prompts if len(p) > state.worker.max_length]
+    if too_long:
+        raise bad_request(f"a prompt of {too_long[0]} tokens does not fit: the context holds "
+                          f"{state.worker.max_length}", param="prompt", code="context_length_exceeded")
+    if len(prompts) > state.worker.max_queue:
+        raise bad_request(f"at most {state.worker.max_queue} prompts fit this server's queue", param="prompt")
+    with _engine_errors(state):
+        streams = state.worker.submit_scoring(prompts, body.logprobs)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, streams))
+    try:
+        for stream in streams:
+            while (item := await stream.next()).kind != "finished":
+                if item.kind == "error":
+                    raise APIError(500, item.message, type="server_error")
+            if item.finish_reason != "scored":
+                raise APIError(500, "the request was cancelled", type="server_error")
+    finally:
+        watcher.cancel()
+        _cancel_all(state.worker, streams)
+    writer = ChunkWriter(False, state.model_name)
+    choices = [scored_choice(state.codec, prompt, echo, stream.request.scores, echo=body.echo,
+                             next_token=body.max_tokens == 1, top=body.logprobs)
+               for prompt, echo, stream in zip(prompts, echoes, streams)]
+    counts = usage(sum(len(p) for p in prompts), len(prompts) * body.max_tokens)
+    stats = {"elapsed_s": time.perf_counter() - streams[0].request.t_submit}
+    return writer.response([(c["text"], "length") for c in choices], counts, stats,
+                           logprobs=[c["logprobs"] for c in choices])
+
+
+def _echo_only(state: ServerState, body: CompletionRequest, prompts: list[list[int]], echoes: list[str]):
+    """max_tokens 0 without logprobs: nothing to generate; the prompts themselves when echoed."""
+    if body.stream:
+        raise bad_request("max_tokens 0 writes nothing to stream; send stream: false", param="stream")
+    texts = [echo if body.echo else "" for echo in echoes for _ in range(body.choices)]
+    counts = usage(sum(len(p) for p in prompts), 0)
+    return ChunkWriter(False, state.model_name).response([(t, "length") for t in texts], counts, {})
 
 
 def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
@@ -367,7 +469,7 @@ async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[st
 
 async def _answer(state: ServerState, choice: Choice) -> tuple[dict | str, str]:
     """A whole answer: (chat message or completion text, finish reason)."""
-    texts, reason = [], None
+    texts, reason = [choice.echo], None
     async for kind, value in _outputs(state, choice):
         if kind == "content":
             texts.append(value)
@@ -405,6 +507,8 @@ async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter
             first = writer.first(choice.index)
             if first is not None:
                 yield _sse(first)
+            if choice.echo:
+                yield _sse(writer.text(choice.echo, choice.index))
         calls = [0] * len(choices)  # tool calls sent so far, per choice
         async for i, (kind, value) in _merged([_outputs(state, choice) for choice in choices]):
             if kind == "draft":

@@ -45,6 +45,10 @@ class Codec:
         """How many of the last tokens may still decode differently once more tokens follow."""
         return 0
 
+    def token_texts(self, tokens: list[int]) -> list[str]:
+        """What each token adds to `decode(tokens)`, in order (joined, they make it)."""
+        return [self.decode([t]) for t in tokens]
+
     def check_answer(self, prompt: list[int], tokens: list[int]) -> dict | None:
         """A task's verdict on a finished answer, sent with its statistics under the task's name; None: none."""
         return None
@@ -68,6 +72,14 @@ class TextCodec(Codec):
         while n < len(tokens) and tokens[-1 - n] in self.byte_ids:
             n += 1
         return n
+
+    def token_texts(self, tokens: list[int]) -> list[str]:
+        """Decoded as a stream: a token's text depends on its neighbours (spaces, byte-fallback runs, of which
+        the token that completes a character carries it and the others carry "")."""
+        from tokenizers.decoders import DecodeStream
+
+        stream, backend = DecodeStream(skip_special_tokens=True), self.tokenizer.backend
+        return [stream.step(backend, t) or "" for t in tokens]
 
     def _known(self, tokens) -> frozenset[int]:
         """The ids of those of `tokens` the vocabulary has as single tokens."""

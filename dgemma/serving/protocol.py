@@ -3,8 +3,12 @@
 Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
 not 1), numbers must be finite and inside the ranges below, and the message names the field.
 OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties, user, ...) are
-accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs, echo,
-suffix, best_of) are rejected instead of silently ignored.
+accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs of
+denoised tokens, suffix, best_of) are rejected instead of silently ignored.
+
+Scoring (/v1/completions with `logprobs` and max_tokens 0 or 1, what evaluation harnesses send): the
+prompt's own log-probabilities, from the causal encoder, in OpenAI's legacy `logprobs` shape; with
+`echo` the prompt's tokens come back, with max_tokens 1 the encoder's most likely next token follows.
 
 Chat content may hold images: {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} parts
 in user messages (read by image_urls.py).
@@ -37,6 +41,7 @@ from dgemma.serving.tool_calls import openai_tool_call
 MAX_STEPS = 1000
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI caps them
 NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole canvas at once, chosen over many "
                "denoising steps, so its tokens have no left-to-right probabilities to report")
 
@@ -175,36 +180,51 @@ class _Generation(BaseModel):
 
 
 class CompletionRequest(_Generation):
-    prompt: Any  # str | [str] | [int] | [[int]], checked by the validator below
-    max_tokens: TokenCount | None = None
+    prompt: Any  # str | [str] | [int] | [[int]]: one or several prompts, made a list by the validator below
+    max_tokens: _strict(int, ge=0) | None = None  # 0: no completion (echo and/or scoring only)
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: _strict(int, ge=0, le=MAX_LOGPROBS) | None = None
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        """One prompt: text, or token ids; a list holding exactly one of either is the same prompt."""
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("the prompt is empty")
-            return value
-        if isinstance(value, list) and value and all(type(t) is int for t in value):
-            return value
-        if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
-            raise ValueError("one prompt per request (send several requests; they are batched)")
-        if value == []:
+    def _prompts(cls, value):
+        """Text, token ids, or a list of either (several prompts): always a list of prompts."""
+        if value == "" or value == []:
             raise ValueError("the prompt is empty")
-        raise ValueError("expected a string or a list of token ids")
+        if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
+            value = [value]
+        if not isinstance(value, list):
+            raise ValueError("expected a string, a list of token ids, or a list of either")
+        kinds = {type(v) for v in value}
+        if kinds not in ({str}, {list}):
+            mixed = " (not both)" if kinds == {str, list} else ""
+            raise ValueError(f"expected a string, a list of token ids, or a list of either{mixed}")
+        for i, v in enumerate(value):
+            if not v:
+                raise ValueError(f"prompt {i} is empty")
+            if isinstance(v, list) and not all(type(t) is int for t in v):
+                raise ValueError(f"prompt {i}: expected a list of token ids (integers)")
+        return value
+
+    @property
+    def scoring(self) -> bool:
+        """The prompts are scored (log-probabilities), not continued by the diffusion sampler."""
+        return self.logprobs is not None
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.logprobs is not None:
-            return "logprobs", NO_LOGPROBS
+            if self.max_tokens is None or self.max_tokens > 1:
+                return "logprobs", (f"{NO_LOGPROBS}. The prompt's own log-probabilities are available: send "
+                                    "echo: true with max_tokens 0 (or 1, which adds the causal encoder's most "
+                                    "likely next token)")
+            if self.stream:
+                return "stream", "scoring (logprobs) answers at once; send stream: false"
+            if self.choices > 1:
+                return "n", "scoring (logprobs) is deterministic; n > 1 would repeat the same choice"
+            if self.structured is not None:
+                return "response_format", "scoring (logprobs) writes no answer to format"
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):
@@ -409,6 +429,25 @@ class ChatCompletionRequest(_Generation):
         return super().unsupported()
 
 
+class _TokenizerRequest(BaseModel):
+    """/tokenize and /detokenize, as vLLM serves them (evaluation harnesses count tokens with them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+
+    def unsupported(self):
+        return None
+
+
+class TokenizeRequest(_TokenizerRequest):
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(_TokenizerRequest):
+    tokens: list[StrictInt]
+
+
 def parse(model: type[BaseModel], body: Any):
     """Validate a decoded JSON body; any problem becomes a 400 that names the field."""
     if not isinstance(body, dict):
@@ -486,10 +525,12 @@ class ChunkWriter:
     def usage_chunk(self, counts: dict) -> dict:
         return {**self._chunk(0, {}), "choices": [], "usage": counts}
 
-    def response(self, answers: list[tuple[dict | str, str]], counts: dict, stats: dict) -> dict:
-        """answers: (chat message or completion text, finish reason) per choice."""
+    def response(self, answers: list[tuple[dict | str, str]], counts: dict, stats: dict,
+                 logprobs: list[dict] | None = None) -> dict:
+        """answers: (chat message or completion text, finish reason) per choice; logprobs: each choice's
+        (scoring)."""
         key = "message" if self.chat else "text"
-        choices = [{"index": i, key: answer, "logprobs": None, "finish_reason": reason}
+        choices = [{"index": i, key: answer, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
                    for i, (answer, reason) in enumerate(answers)]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": counts, "dgemma": stats}

@@ -13,6 +13,7 @@ so a slow reader costs neither memory nor engine time. Committed canvases are ne
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import secrets
@@ -112,22 +113,32 @@ class EngineWorker:
         seed = secrets.randbits(63) if seed is None else seed
         request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts, constraint=constraint,
                           images=images)
-        stream = RequestStream(request, asyncio.get_running_loop())
-        request.on_event = lambda event: self._on_event(stream, event)
+        return self._submit([request])[0]
+
+    def submit_scoring(self, prompts: list[list[int]], top: int) -> list[RequestStream]:
+        """Queue one scoring request per prompt (`top` alternatives per position), all or none."""
+        return self._submit([Request(prompt=p, sampling=None, seed=0, score_top=top) for p in prompts])
+
+    def _submit(self, requests: list[Request]) -> list[RequestStream]:
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(r, loop) for r in requests]
+        for request, stream in zip(requests, streams):
+            request.on_event = functools.partial(self._on_event, stream)
         # Never hold our lock while the engine takes its own: the engine thread reports events (and so
         # takes our lock in _on_event) while holding the engine's lock.
         with self._lock:
             engine = self.engine
-            self._streams[request.request_id] = stream
+            self._streams.update((r.request_id, s) for r, s in zip(requests, streams))
         try:
             if engine is None or self._stopping.is_set():
                 raise RuntimeError("the engine is not running")
-            engine.submit(request)
+            engine.submit_all(requests)
         except BaseException:
             with self._lock:
-                self._streams.pop(request.request_id, None)
+                for r in requests:
+                    self._streams.pop(r.request_id, None)
             raise
-        return stream
+        return streams
 
     def cancel(self, stream: RequestStream):
         """Free the request's row at the next engine step; harmless once it has finished."""
