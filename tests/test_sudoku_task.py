@@ -32,6 +32,7 @@ from dgemma.tasks.sudoku import (
     random_transform,
     read_puzzle_file,
     score,
+    rule_violations,
     solution_errors,
     solve,
     transpose,
@@ -228,6 +229,22 @@ def test_checker_catches_each_kind_of_invalid_grid():
     assert not is_valid_solution(empty, None)
     assert not is_valid_solution(empty, full[:80])
     assert not is_valid_solution(empty, tuple(10 if i == 0 else v for i, v in enumerate(full)))
+
+
+def test_rule_violations_name_the_clashing_cells_and_changed_givens():
+    full, puzzle = parse_puzzle(WIKI_SOLUTION), parse_puzzle(WIKI)
+    assert rule_violations(puzzle, full) == []
+    # cells 0 and 9 swapped: same column and box, so only rows 1 and 2 repeat a digit, at 4 cells
+    grid = swapped(full, 0, 9)
+    expected = {0, 9, full.index(full[9]), 9 + full[9:18].index(full[0])}
+    assert set(rule_violations((0,) * 81, grid)) == expected
+    # cell 0 is a given of the puzzle and both swapped cells are: changed givens are rejected too
+    assert puzzle[0] and puzzle[9] and set(rule_violations(puzzle, grid)) == expected
+    # a cell without a digit, alone: nothing else clashes
+    assert rule_violations((0,) * 81, tuple(0 if i == 40 else v for i, v in enumerate(full))) == [40]
+    # a valid grid with other digits: only the givens break a rule
+    relabelled = tuple(v % 9 + 1 for v in full)
+    assert rule_violations(puzzle, relabelled) == [i for i in range(81) if puzzle[i]]
 
 
 # -- symmetry and canonical form -------------------------------------------------------------------
