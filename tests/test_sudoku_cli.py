@@ -142,14 +142,14 @@ def test_search_flags_report_forwards_rounds_and_seconds(tmp_path, random_sudoku
     """An untrained model never satisfies the rules checker, so every round and candidate runs."""
     f = tmp_path / "p.txt"
     f.write_text("\n".join(S.grid_to_string(e.puzzle) for e in S.generate_examples(2, givens=(30, 45), seed=6)))
-    single = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "2", "--fixed-steps")
-    searched = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "2", "--fixed-steps",
+    single = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "1")
+    searched = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "1",
                    "--rounds", "3", "--candidates", "2")
     assert single.returncode == 0 and searched.returncode == 0, single.stderr + searched.stderr
     one, many = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (single, searched))
-    assert one["forwards_per_puzzle"] == 2 and one["mean_rounds"] == 1 and one["seconds_per_puzzle"] > 0
+    assert one["forwards_per_puzzle"] == 1 and one["mean_rounds"] == 1 and one["seconds_per_puzzle"] > 0
     assert (many["rounds"], many["candidates"]) == (3, 2)
-    assert many["forwards_per_puzzle"] == 2 * 3 * 2 and many["mean_rounds"] == 3
+    assert many["forwards_per_puzzle"] == 1 * 3 * 2 and many["mean_rounds"] == 3
     assert many["verifier_accepted"] == 0 and many["solved"] == 0
     solve = run("solve", "--model", str(random_sudoku_model), "--no-live", "--steps", "2", "--rounds", "2")
     assert solve.returncode == 1, solve.stderr
