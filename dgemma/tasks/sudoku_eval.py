@@ -36,15 +36,28 @@ def givens_template(puzzle) -> tuple[torch.Tensor, torch.Tensor]:
 
 class SudokuVerifier:
     """The verifier of the denoising search (dgemma.generation.verify) for one puzzle: an answer's tokens ->
-    the cells that break the rules (sudoku_grid.rule_violations: no digit, a clash in a row, column or box,
-    a changed given). Rules only, no solving: every other cell is kept and the model re-denoises these."""
+    the cells to denoise again. Rules only, no solving: sudoku_grid.rule_violations finds the cells that
+    break a rule (no digit, a clash in a row, column or box, a changed given). With scope "units" (the
+    default) every non-given cell of a row, column or box holding such a cell is rejected with it: a
+    clash is often caused by a wrong cell elsewhere in its unit, which "cells" would keep fixed."""
 
-    def __init__(self, puzzle):
-        self.puzzle = tuple(puzzle)
+    SCOPES = ("units", "cells")
+
+    def __init__(self, puzzle, scope: str = "units"):
+        if scope not in self.SCOPES:
+            raise ValueError(f"scope must be one of {self.SCOPES}, got {scope!r}")
+        self.puzzle, self.scope = tuple(puzzle), scope
 
     def __call__(self, tokens: list[int]) -> list[int]:
         grid = answer_grid(tokens) or (0,) * CELLS
-        return sudoku.rule_violations(self.puzzle, grid)
+        bad = sudoku.rule_violations(self.puzzle, grid)
+        if self.scope == "cells" or not bad:
+            return bad
+        broken, wide = set(bad), set(bad)
+        for unit in sudoku.UNITS:
+            if broken.intersection(unit):
+                wide.update(i for i in unit if not self.puzzle[i])
+        return sorted(wide)
 
 
 def answer_grid(tokens: list[int]):
