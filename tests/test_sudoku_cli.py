@@ -153,7 +153,7 @@ def test_search_flags_report_forwards_rounds_and_seconds(tmp_path, random_sudoku
     assert many["verifier_accepted"] == 0 and many["solved"] == 0
     solve = run("solve", "--model", str(random_sudoku_model), "--no-live", "--steps", "2", "--rounds", "2")
     assert solve.returncode == 1, solve.stderr
-    assert "round 2 denoises them again" in solve.stdout and "not accepted in round 2" in solve.stdout
+    assert "denoised again in round 2" in solve.stdout and "not accepted in round 2" in solve.stdout
     bad = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--rounds", "0")
     assert bad.returncode == 2 and ">= 1" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -156,9 +156,8 @@ def _solve(args):
             live.update(text)
         elif event.kind == "round":
             who = f"candidate {candidate}: " if len(search.candidates) > 1 else ""
-            console.print(f"{who}round {event.step - 1}: {len(event.tokens)} cells break a rule; "
-                          f"round {event.step} denoises them again, keeping the other "
-                          f"{81 - len(event.tokens)}")
+            console.print(f"{who}round {event.step - 1}: {len(event.tokens)} cells rejected by the rules, "
+                          f"denoised again in round {event.step} ({81 - len(event.tokens)} kept)")
 
     for r in search.candidates:
         r.on_event = lambda e, j=r.candidate: on_event(e, j)
