@@ -180,7 +180,7 @@ class ScoringBatch:
             # position j predicts token j + 1; the last position predicts the unknown token after the prompt
             targets[i, : len(piece)] = torch.tensor([r.prompt[j + 1] if j + 1 < len(r.prompt) else -1 for j in span])
         device = model.device
-        rows = torch.tensor([r.row for r, *_ in spans], device=device)
+        rows = [r.row for r, *_ in spans]
         hidden = model.encode(ids.to(device), cache, valid.to(device), rows=rows, return_hidden=True)  # (n, c, H)
         target_lp, top_ids, top_lp = score_positions(model, hidden[valid.to(device)], targets[valid], self.k)
         self.encoded_tokens += int(valid.sum())
