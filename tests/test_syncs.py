@@ -161,3 +161,50 @@ def test_cuda_engine_steps_wait_only_in_host_read(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert reads == {"step": engine.forwards - 1}
+
+
+def test_cache_decides_on_the_host_what_the_decoder_mask_says(model):
+    """`KVCache.prefix_visible` (host) agrees with the decoder mask's own `all()` (device) for rows of
+    many lengths, sliding rings wrapped or not (window 8), rows reset and refilled, any row subset."""
+    from dgemma.model.attention import canvas_mask
+
+    config = model.config
+    cache = model.new_cache(4, 64)
+    gen = torch.Generator().manual_seed(0)
+    checked = {True: 0, False: 0}
+    for _ in range(12):
+        rows = sorted(set(torch.randint(0, 4, (3,), generator=gen).tolist()))
+        T = int(torch.randint(1, 9, (), generator=gen))
+        if max(cache.row_lengths[r] for r in rows) + T > 48:
+            cache.reset_rows(rows)
+        lengths = torch.tensor([cache.row_lengths[r] for r in rows])
+        positions = lengths[:, None] + torch.arange(T)
+        cache.commit_positions(rows, positions, torch.ones_like(positions, dtype=torch.bool), padded=False)
+        for subset in (rows, [0, 1, 2, 3], [1, 3], [2]):
+            for sliding in (False, True):
+                window = config.sliding_window if sliding else None
+                mask = canvas_mask(cache.cached_positions(sliding, subset), cache.lengths(subset),
+                                   config.canvas_length, window)
+                assert cache.prefix_visible(sliding, subset) == bool(mask.all())
+                checked[bool(mask.all())] += 1
+    assert min(checked.values()) > 5  # both answers came up
+    cache.commit_positions([0], torch.tensor([[cache.row_lengths[0]]]), torch.tensor([[False]]))
+    assert cache.prefix_visible(False, [0]) is None  # padding: the host cannot tell
+
+
+def test_sampler_halves_equal_the_whole_step():
+    """scan_step + draw_samples with the drawn count read beforehand (nonzero_static) = sampler_step."""
+    from dgemma.sampling.sampler import draw_samples, sampler_step, scan_step
+
+    logits = torch.randn(2, 16, 50, generator=torch.Generator().manual_seed(0)) * 3
+    fixed = torch.zeros(2, 16, dtype=torch.bool)
+    fixed[0, :3] = True
+    tokens = torch.full((2, 16), 7)
+    whole = sampler_step(logits.clone(), 0.7, 1.0, torch.Generator().manual_seed(1), fixed=fixed, fixed_tokens=tokens,
+                         chunk_elements=200)
+    scanned = scan_step(logits.clone(), 0.7, 1.0, torch.Generator().manual_seed(1), fixed=fixed, fixed_tokens=tokens,
+                        chunk_elements=200)
+    halves = draw_samples(scanned, int(scanned.drawn.sum()), chunk_elements=200)
+    assert 0 < int(scanned.drawn.sum()) < 32
+    for name in ("canvas", "argmax", "entropy", "accepted"):
+        assert torch.equal(getattr(whole, name), getattr(halves, name)), name
