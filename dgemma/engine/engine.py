@@ -223,7 +223,9 @@ class Engine:
         if r.fixed is not None:
             fixed, tokens = template_slice(r.fixed[None], r.fixed_tokens[None], r.canvas_index, L)  # (1, L)
             if fixed is not None:
-                r.canvas_fixed, r.canvas_fixed_tokens = fixed.to(device), tokens.to(device)
+                # sent from the host without waiting (the template is a host tensor)
+                r.canvas_fixed = to_device(fixed.tolist(), torch.bool, device)
+                r.canvas_fixed_tokens = to_device(tokens.tolist(), torch.long, device)
         canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
         if r.canvas_fixed is not None:
             canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
