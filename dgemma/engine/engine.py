@@ -7,7 +7,8 @@ Each iteration (`step`):
   1. drop cancelled requests; admit waiting requests into free cache rows (prefill their prompts) and
      start their first canvas;
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
-     generator) and stop rule;
+     generator) and stop rule; the host reads the device once per step, for the stop flags, the
+     accepted counts and the argmax canvases together (`dgemma.device_sync`; tests/test_syncs.py);
   3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
      for each; rows that produced EOS or reached max_new_tokens finish and free their row.
 
