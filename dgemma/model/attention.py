@@ -175,7 +175,8 @@ class KVCache:
             return tuple(range(self.batch_size)), slice(None)
         if isinstance(rows, torch.Tensor):
             if self._rows_seen[0] is not rows:
-                self._rows_seen = (rows, self._index(tuple(host_read(rows.reshape(-1), "cache rows as a tensor")), rows))
+                host = tuple(host_read(rows.reshape(-1), "cache rows as a tensor"))
+                self._rows_seen = (rows, self._index(host, rows))
             return self._rows_seen[1]
         key = tuple(int(r) for r in rows)
         if key not in self._row_sets:
