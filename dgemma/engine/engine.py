@@ -7,7 +7,8 @@ Each iteration (`step`):
   1. drop cancelled requests; admit waiting requests into free cache rows (prefill their prompts) and
      start their first canvas;
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
-     generator) and stop rule;
+     generator) and stop rule; the host reads the device once per step, for the stop flags, the
+     accepted counts and the argmax canvases together (`dgemma.device_sync`; tests/test_syncs.py);
   3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
      for each; rows that produced EOS or reached max_new_tokens finish and free their row.
 
@@ -38,11 +39,12 @@ from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
+from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
-from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos, template_slice
+from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
-from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
-from dgemma.sampling.sampler import scan_logits
+from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, temperature_schedule
+from dgemma.sampling.sampler import draw_samples, scan_logits, scan_step
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
@@ -259,7 +261,9 @@ class Engine:
         if r.fixed is not None:
             fixed, tokens = template_slice(r.fixed[None], r.fixed_tokens[None], r.canvas_index, L)  # (1, L)
             if fixed is not None:
-                r.canvas_fixed, r.canvas_fixed_tokens = fixed.to(device), tokens.to(device)
+                # sent from the host without waiting (the template is a host tensor)
+                r.canvas_fixed = to_device(fixed.tolist(), torch.bool, device)
+                r.canvas_fixed_tokens = to_device(tokens.tolist(), torch.long, device)
         canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
         if r.canvas_fixed is not None:
             canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
@@ -279,36 +283,53 @@ class Engine:
                     self._finish(r, "cancelled" if r.cancel_requested else "scored")
 
     def _denoise_step(self):
+        """One decoder forward over every generating row, then each row's sampler step and stop rule.
+
+        The host learns what it schedules by from ONE read per step (`host_read`): each row's stop flag,
+        how many of its positions take a sample, and its argmax canvas (what a finished canvas commits).
+        Everything else stays queued on the device; the bookkeeping (steps, budgets, rows) is Python.
+        """
         batch = self.generating
         logits = self.runner.denoise([r.row for r in batch], torch.stack([r.canvas for r in batch]),
                                      [r.soft for r in batch])  # (n, L, V): the one big buffer
         self.forwards += 1
-        finished_canvases = []
+        scanned, stops = [], []
         for i, r in enumerate(batch):
             s = r.sampling
-            row_logits = logits[i : i + 1]  # a view: the sampler scales it in place
             temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
-            result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
-                                  fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
-            r.canvas, r.argmax = result.canvas[0], result.argmax[0]
+            # a view of the buffer: the sampler turns it into probabilities in place
+            step = scan_step(logits[i : i + 1], temperature, s.entropy_bound, r.generator,
+                             fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
+            stop, r.history = adaptive_stop(r.history, step.argmax, step.entropy, s.confidence_threshold,
+                                            r.canvas_fixed)
+            scanned.append(step)
+            stops.append(stop)
+        drawn_counts = torch.cat([step.drawn for step in scanned]).sum(-1, keepdim=True)  # (n, 1)
+        table = torch.cat([torch.cat(stops)[:, None].long(), drawn_counts, torch.cat([st.argmax for st in scanned])], 1)
+        read = host_read(table, "step")  # per row: [stop, drawn count, argmax canvas (L)]
+        finished_canvases = []
+        for i, (r, step, (stop, drawn, *argmax)) in enumerate(zip(batch, scanned, read)):
+            s = r.sampling
+            row_probs = logits[i]  # (L, V) softmax(logits / T), left by the sampler
+            result = draw_samples(step, drawn)
+            r.canvas, r.argmax, r.argmax_tokens = result.canvas[0], result.argmax[0], argmax
             budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
             if r.answer is not None:  # as the plain loop: accepted positions take tokens of a valid answer
-                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_logits[0], budget, r.generator)
-            stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
-                                            r.canvas_fixed)
+                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_probs, budget, r.generator)
             r.step_index += 1
             r.forward_passes += 1
-            finished = r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps)
+            finished = r.step_index >= s.max_denoising_steps or (stop and not s.fixed_steps)
             if finished and r.answer is not None:  # commit the most probable valid canvas, not the argmax
-                r.argmax = r.answer.commit(row_logits[0], budget)
+                r.argmax = r.answer.commit(row_probs, budget)
+                r.argmax_tokens = host_read(r.argmax, "constrained commit")
             if not finished:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
-                r.soft = self.runner.soft_embedding(row_logits[0])
-            if r.want_drafts:
+                r.soft = self.runner.soft_embedding(row_probs)
+            if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
                 r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,
-                             tokens=r.argmax.tolist(), entropy=result.entropy[0].tolist(),
-                             accepted=result.accepted[0].tolist()))
+                             tokens=list(r.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
+                             accepted=host_read(result.accepted[0], "drafts")))
             if finished:
                 finished_canvases.append(r)
         del logits
@@ -316,15 +337,15 @@ class Engine:
             self._commit(finished_canvases)
 
     def _commit(self, requests: list[Request]):
+        """Commit finished canvases, from their argmax tokens already on the host (no read here)."""
         continuing_rows, continuing_canvases, continuing = [], [], []
         for r in requests:
             s = r.sampling
-            eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=r.argmax.device)
-            canvas_tokens = pad_after_eos(r.argmax[None], eos, s.pad_token_id)[0][0]  # (L,)
-            r.committed_non_pad += int((canvas_tokens != s.pad_token_id).sum())
+            canvas_tokens = pad_after_eos_host(r.argmax_tokens, s.eos_token_ids, s.pad_token_id)  # L tokens
+            r.committed_non_pad += sum(t != s.pad_token_id for t in canvas_tokens)
             r.steps_per_canvas.append(r.step_index)
             budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
-            new, hit_eos = cut_at_eos(canvas_tokens[:budget].tolist(), s.eos_token_ids)
+            new, hit_eos = cut_at_eos(canvas_tokens[:budget], s.eos_token_ids)
             r.tokens.extend(new)
             if r.t_first_canvas is None:
                 r.t_first_canvas = time.perf_counter()
@@ -337,7 +358,7 @@ class Engine:
             continuing_canvases.append(canvas_tokens)
             continuing.append(r)
         if continuing:
-            self.runner.commit(continuing_rows, torch.stack(continuing_canvases))
+            self.runner.commit(continuing_rows, to_device(continuing_canvases, torch.long, self.model.device))
             for r in continuing:
                 r.canvas_index += 1
                 self._start_canvas(r)
@@ -368,7 +389,7 @@ class Engine:
         r.finish_reason = reason
         r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
         r.t_done = time.perf_counter()
-        r.soft = r.canvas = r.history = r.answer = None
+        r.soft = r.canvas = r.history = r.answer = r.argmax_tokens = None
         row = self.scheduler.release(r)
         if row is not None:
             self.runner.free([row])

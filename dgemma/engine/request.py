@@ -75,6 +75,7 @@ class Request:
     step_index: int = 0
     canvas: torch.Tensor | None = None  # (L,) next decoder input
     argmax: torch.Tensor | None = None  # (L,) current draft
+    argmax_tokens: list[int] | None = None  # the same on the host, as the step read it
     history: torch.Tensor | None = None  # (S, L) recent argmax canvases (stop rule)
     soft: torch.Tensor | None = None  # (L, H) self-conditioning embedding of the last step, or None
     canvas_fixed: torch.Tensor | None = None  # (L,) slice of the template for the current canvas
