@@ -131,12 +131,18 @@ def _options(frozen_too: bool):
     return StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
 
 
+def quiet_single_process():
+    """DCP warns that it runs in one process when there is no process group; here that is the intent."""
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
+
+
 def save_state(folder: Path, model, optimizer, *, frozen_too: bool):
     """Model (sharded DTensors or plain tensors) and AdamW state under "model." / "optim.": one file per
     process plus DCP's `.metadata`, written by every process at once."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    quiet_single_process()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(frozen_too))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
 
@@ -148,6 +154,7 @@ def load_state(folder: Path, model, optimizer, *, frozen_too: bool):
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(frozen_too))
     state = {"model": model_state, "optim": optim_state}
+    quiet_single_process()
     dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(frozen_too))

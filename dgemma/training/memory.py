@@ -102,7 +102,10 @@ def memory_plan(config: ModelConfig, *, world_size: int, micro_batch: int, seq: 
 
 
 def format_bytes(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def plan_summary(plan: dict) -> str:

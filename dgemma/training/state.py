@@ -131,6 +131,7 @@ def read_model_tensors(path: Path, names: list[str] | None = None) -> dict[str, 
     names = list(available) if names is None else names
     out = {n: torch.empty(available[n].size, dtype=available[n].properties.dtype) for n in names}
     if out:
+        D.quiet_single_process()
         dcp.load({f"model.{n}": t for n, t in out.items()}, checkpoint_id=str(folder), no_dist=True)
     return out
 

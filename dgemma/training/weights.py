@@ -89,6 +89,9 @@ def _read_checkpoint(targets: dict[str, torch.Tensor], plan, folder: Path):
     state = {plan.sources[name]: t for name, t in targets.items()}
     import torch.distributed as dist
 
+    from dgemma.training.distributed import quiet_single_process
+
+    quiet_single_process()
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
 
 
