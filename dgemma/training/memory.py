@@ -3,7 +3,8 @@
     dgemma info --preset diffusiongemma-26b-a4b --train --lora --world-size 8 --batch 1 --seq 2048
 
 Terms, per process, for FSDP2 over W processes (W = 1: one process holds everything):
-  parameters   every parameter's shard: fp32 master weights; a LoRA base in its storage dtype
+  parameters   every parameter's shard (the largest, rank 0's: FSDP2 splits dim 0 in ceil(rows / W)
+               chunks): fp32 master weights; a LoRA base in its storage dtype
                (bf16 under --precision bf16), its adapters fp32
   gradients    fp32, sharded like the parameters, for the weights that learn
   optimizer    AdamW's two fp32 moments per learning weight, sharded
@@ -26,10 +27,6 @@ import torch
 from dgemma.config import ModelConfig
 
 TERMS = ("parameters", "gradients", "optimizer", "gathered", "activations")
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def plan_options(config, world_size: int, micro_batch: int, seq: int) -> dict:
@@ -87,10 +84,15 @@ def memory_plan(config: ModelConfig, *, world_size: int, micro_batch: int, seq: 
     logits = 2 * S * V * 4 + (3 * L * V * 4 if objective == "diffusion" else 0)
     activations = micro_batch * (layers + logits)
 
+    def shard(p, bytes_per_element: int) -> int:
+        """Bytes of p's largest shard: FSDP2 splits dim 0 into chunks of ceil(rows / W) (rank 0's)."""
+        rows = p.shape[0] if p.dim() else 1
+        return -(-rows // W) * (p.numel() // max(rows, 1)) * bytes_per_element
+
     plan = {
-        "parameters": -(-_bytes(params) // W),
-        "gradients": -(-sum(p.numel() * 4 for p in learning) // W),
-        "optimizer": -(-sum(2 * p.numel() * 4 for p in learning) // W),
+        "parameters": sum(shard(p, p.element_size()) for p in params),
+        "gradients": sum(shard(p, 4) for p in learning),
+        "optimizer": sum(shard(p, 8) for p in learning),
         "gathered": gathered,
         "activations": activations,
     }
