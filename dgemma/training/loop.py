@@ -349,7 +349,8 @@ def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, s
     micro = config.micro_batch_size or share
     L, V = model_config.canvas_length, model_config.vocab_size
     autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
-    cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    bf16 = config.precision == "bf16" or config.mixed_precision == "bf16"
+    cache_dtype = torch.bfloat16 if bf16 else None  # the keys and values the bf16 layers compute
     sums = torch.zeros(4, dtype=torch.float64)
     for a in range(share // micro):
         first = step * G + env.rank * share + a * micro
