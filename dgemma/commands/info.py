@@ -32,7 +32,7 @@ def add_arguments(p):
     t.add_argument("--lora-rank", type=int, default=16)
     t.add_argument("--lora-targets", help="as for `dgemma train` (default: attention and the dense MLP)")
     t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="as for `dgemma train`: bf16 = autocast (a LoRA base then held in bf16)")
+                   help="as for `dgemma train`: bf16 = autocast (a LoRA base is then held in bf16, as under --mixed-precision)")
     t.add_argument("--mixed-precision", choices=["bf16"], help="as for `dgemma train`: FSDP2 bf16 compute")
     t.add_argument("--activation-checkpointing", action="store_true")
 
@@ -121,7 +121,7 @@ def training_plan(config: ModelConfig, args) -> dict:
                else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     lora = dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=targets) if args.lora else None
     return memory_plan(config, world_size=args.world_size, micro_batch=args.batch, seq=args.seq, lora=lora,
-                       lora_base_bf16=args.lora and args.precision == "bf16",
+                       lora_base_bf16=args.lora and "bf16" in (args.precision, args.mixed_precision),
                        compute_bf16=args.precision == "bf16" or args.mixed_precision == "bf16",
                        activation_checkpointing=args.activation_checkpointing)
 

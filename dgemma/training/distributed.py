@@ -136,25 +136,38 @@ def quiet_single_process():
     warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
 
 
-def save_state(folder: Path, model, optimizer, *, frozen_too: bool):
-    """Model (sharded DTensors or plain tensors) and AdamW state under "model." / "optim.": one file per
-    process plus DCP's `.metadata`, written by every process at once."""
-    import torch.distributed.checkpoint as dcp
+def _tensor_state(model, optimizer, frozen_too: bool):
+    """(state for DCP: {"model": ..., "optim": {"state": ...}}, the full optimizer state dict). Only tensors
+    go to DCP (safetensors files); AdamW's param_groups are the run's settings, rebuilt from its config."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    quiet_single_process()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(frozen_too))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    return {"model": model_state, "optim": {"state": optim_state["state"]}}, optim_state
+
+
+def save_state(folder: Path, model, optimizer, *, frozen_too: bool):
+    """Model (sharded DTensors or plain tensors) and AdamW's moments and step counts under "model." /
+    "optim.state.": every process writes its own safetensors file (DCP's Hugging Face writer, the
+    offsets of each shard in the file's metadata), all at once; nothing is pickled."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    quiet_single_process()
+    state, _ = _tensor_state(model, optimizer, frozen_too)
+    writer = HuggingFaceStorageWriter(str(folder), save_distributed=dist.is_initialized())
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
 
 
 def load_state(folder: Path, model, optimizer, *, frozen_too: bool):
-    """The inverse of `save_state`, on any number of processes: DCP reshards what another world size wrote."""
+    """The inverse of `save_state`, on any number of processes: each reads the rows it owns from whichever
+    files hold them, so a checkpoint written by another world size loads (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(frozen_too))
-    state = {"model": model_state, "optim": optim_state}
     quiet_single_process()
-    dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+    state, optim_state = _tensor_state(model, optimizer, frozen_too)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+    optim_state["state"] = state["optim"]["state"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
                    options=_options(frozen_too))

@@ -4,8 +4,8 @@
 
 Terms, per process, for FSDP2 over W processes (W = 1: one process holds everything):
   parameters   every parameter's shard (the largest, rank 0's: FSDP2 splits dim 0 in ceil(rows / W)
-               chunks): fp32 master weights; a LoRA base in its storage dtype
-               (bf16 under --precision bf16), its adapters fp32
+               chunks): fp32 master weights; a LoRA base in its storage dtype (bf16 under
+               --precision bf16 or --mixed-precision bf16), its adapters fp32
   gradients    fp32, sharded like the parameters, for the weights that learn
   optimizer    AdamW's two fp32 moments per learning weight, sharded
   gathered     FSDP's unsharded copies while a unit runs: the root (embedding = LM head, final norm,
@@ -31,10 +31,12 @@ TERMS = ("parameters", "gradients", "optimizer", "gathered", "activations")
 
 def plan_options(config, world_size: int, micro_batch: int, seq: int) -> dict:
     """memory_plan's keyword arguments for a TrainConfig."""
+    from dgemma.training.model_setup import base_dtype
+
     lora = (dict(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                  dropout=config.lora_dropout) if config.lora else None)
     return dict(world_size=world_size, micro_batch=micro_batch, seq=seq, lora=lora, objective=config.objective,
-                train_router=config.train_router, lora_base_bf16=config.lora and config.precision == "bf16",
+                train_router=config.train_router, lora_base_bf16=base_dtype(config) == torch.bfloat16,
                 compute_bf16=config.precision == "bf16" or config.mixed_precision == "bf16",
                 activation_checkpointing=config.activation_checkpointing)
 

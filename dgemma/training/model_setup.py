@@ -78,9 +78,11 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
 
 
 def base_dtype(config) -> torch.dtype:
-    """A LoRA base never learns: under bf16 it is held in bf16 (half the memory); adapters stay fp32.
+    """A LoRA base never learns: under bf16 (autocast or mixed precision) it is held in bf16 (half the
+    memory); adapters stay fp32.
     Everything else keeps fp32 master weights."""
-    return torch.bfloat16 if config.lora and config.precision == "bf16" else torch.float32
+    bf16 = config.precision == "bf16" or config.mixed_precision == "bf16"
+    return torch.bfloat16 if config.lora and bf16 else torch.float32
 
 
 def configure_trainable(model, *, objective: str, lora: dict | None, train_router: bool) -> int:

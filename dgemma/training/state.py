@@ -1,15 +1,17 @@
 """Checkpoints that a run killed at any moment resumes from, written by every process at once.
 
     OUT/checkpoints/step-0000200/
-        state/                      torch.distributed.checkpoint (DCP): the weights that learn ("model.*";
-                                    all of them, or the LoRA adapters only) and AdamW's state ("optim.*"),
-                                    one file per process plus DCP's .metadata
+        state/                      torch.distributed.checkpoint (DCP) in safetensors: the weights that learn
+                                    ("model.*": all of them, or the LoRA adapters) and AdamW's moments and
+                                    step counts ("optim.state.*"); one file per process, each shard's place
+                                    in the full tensor in the file's metadata
         rng-rank00000.safetensors   each process's torch RNG states as uint8 tensors
         trainer_state.json          step, samples consumed (the data position), the run's config, world size
 
 Each process writes its own shards; nothing is gathered. A checkpoint is written into
 `.step-0000200.tmp` and renamed into place when complete, so every `step-*` folder is whole; leftovers of a
 killed write are removed on resume. DCP reshards on load, so a run resumes on another number of processes.
+Nothing is pickled: tensors are safetensors, the rest JSON.
 The data order, the noise and the learning rate are pure functions of (seed, step), so step + weights +
 optimizer + RNG is the whole state of a run. `dgemma export` turns a checkpoint into a Hugging Face folder
 (`dgemma.training.export`).
@@ -119,25 +121,25 @@ def load_checkpoint(path: Path, *, env: DistEnv, model, optimizer, lora: bool) -
     return meta
 
 
+def _stored(folder: Path) -> dict:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
+
+
 def read_model_tensors(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Full tensors of a checkpoint's stored weights (all, or `names`), read in this process alone: for
     export and inspection. Names are the training model's (LoRA runs: `...q_proj.lora_A`, ...)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     folder = Path(path) / STATE
-    stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    available = {k.removeprefix("model."): v for k, v in stored.items() if k.startswith("model.")}
+    available = _stored(folder)
     names = list(available) if names is None else names
     out = {n: torch.empty(available[n].size, dtype=available[n].properties.dtype) for n in names}
     if out:
         D.quiet_single_process()
-        dcp.load({f"model.{n}": t for n, t in out.items()}, checkpoint_id=str(folder), no_dist=True)
+        dcp.load({f"model.{n}": t for n, t in out.items()}, storage_reader=HuggingFaceStorageReader(str(folder)),
+                 no_dist=True)
     return out
-
-
-def stored_model_names(path: Path) -> list[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    stored = FileSystemReader(str(Path(path) / STATE)).read_metadata().state_dict_metadata
-    return [k.removeprefix("model.") for k in stored if k.startswith("model.")]
