@@ -135,7 +135,7 @@ def test_killed_rank_resumes_on_the_uninterrupted_curve_on_any_number_of_process
     assert run.wait(timeout=120) != 0
     assert not (killed / "checkpoints" / "step-0000012").exists() and not (killed / "model").exists()
 
-    one = subprocess.run([sys.executable, *_train_args(data, killed, base_model, "--resume", "--until", "12")],
+    one = subprocess.run([sys.executable, *_train_args(data, killed, base_model, "--resume", "--until", "8")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed from" in one.stderr and "1 process(es)" in one.stderr
@@ -144,6 +144,9 @@ def test_killed_rank_resumes_on_the_uninterrupted_curve_on_any_number_of_process
     assert two.returncode == 0, two.stderr[-3000:]
     assert "resumed from" in two.stderr and "2 process(es)" in two.stderr
     assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
+    written_by = {s: json.loads((killed / "checkpoints" / f"step-{s:07d}" / "trainer_state.json").read_text())["world_size"]
+                  for s in (4, 8, 12)}
+    assert written_by == {4: 2, 8: 1, 12: 2}
 
     expected, got = _losses(tmp_path / "ref"), _losses(killed)
     assert sorted(got) == sorted(expected) == list(range(2, 13, 2))
