@@ -207,6 +207,16 @@ def test_memory_plan_is_exact_for_the_states_and_scales_with_processes(capsys):
     assert plan["total"] == sum(plan[t] for t in ("parameters", "gradients", "optimizer", "gathered", "activations"))
 
 
+def test_a_world_size_that_does_not_divide_the_batch_is_refused():
+    from dgemma.config import ConfigError
+    from dgemma.training import TrainConfig
+
+    config = TrainConfig(data="x.jsonl", out="y", init="preset:tiny", batch_size=4)
+    config.check(2)
+    with pytest.raises(ConfigError, match="--batch-size 4 is not a multiple of the 3 processes"):
+        config.check(3)
+
+
 def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_read(base_model, tmp_path, capsys):
     data = write_jsonl(tmp_path / "task.jsonl", reversal_records(8))
     args = ["train", "--model", str(base_model), "--data", str(data), "--out", str(tmp_path / "run"),
