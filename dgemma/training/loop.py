@@ -1,8 +1,10 @@
 """`train(TrainConfig)`: the whole training run as one visible loop.
 
-    setup  -> architecture (cheap) -> data (every line checked) -> weights -> what learns -> FSDP -> AdamW
+    setup  -> architecture (cheap) -> data (every line checked) -> memory plan (--memory-per-rank)
+           -> model on meta -> what learns -> FSDP -> each process reads its own rows -> AdamW
     resume -> latest complete checkpoint: weights, optimizer, RNG, step (= data position)
     loop   -> per step: micro-batches (gradient accumulation) -> clip -> AdamW at lr(step) -> log -> checkpoint
+    end    -> OUT/model streamed out of the last checkpoint (Hugging Face format, LoRA merged)
 
 Global batch G = processes x micro-batch x accumulation. Step s reads stream positions s*G .. s*G+G-1
 (process r takes its own contiguous slice), so the examples, their noise and the learning rate depend on
@@ -15,8 +17,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -28,8 +28,8 @@ import torch
 from dgemma.config import ConfigError
 from dgemma.training import distributed as D
 from dgemma.training.data import AUGMENTATIONS, ExampleStream, TextEncoder, collate, load_jsonl, read_examples
-from dgemma.training.lora import DEFAULT_TARGETS
 from dgemma.training.export import export_checkpoint
+from dgemma.training.lora import DEFAULT_TARGETS
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
 from dgemma.training.model_setup import base_dtype, configure_trainable, resolve_model_config
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
