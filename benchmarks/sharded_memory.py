@@ -3,7 +3,7 @@ of a few hundred million parameters: dgemma's sharded load (meta -> fully_shard 
 rows) side by side with loading a full copy and then sharding it, against the full copy's size and the
 memory plan.
 
-    python benchmarks/sharded_memory.py                      # ~400M parameters, 2 processes
+    python benchmarks/sharded_memory.py --experts 32         # 500M parameters, 2 processes
     python benchmarks/sharded_memory.py --hidden 768 --layers 6
 
 Peak RSS is `resource.getrusage(RUSAGE_SELF).ru_maxrss` in each worker: after the imports (baseline),
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,7 @@ def main():
     by = {(r["mode"], r["rank"]): r for r in rows}
     load_growth = {m: max(by[m, k]["after_load"] - by[m, k]["baseline"] for k in (0, 1))
                    for m in ("sharded", "full-then-shard")}
+    shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"params": n, "full_copy_fp32_bytes": full_fp32, "plan_parameters_bytes": plan["parameters"],
                       "rows": rows, "load_growth_bytes": load_growth,
                       "sharded_load_growth_vs_full_copy": load_growth["sharded"] / full_fp32,
