@@ -160,7 +160,7 @@ def test_killed_rank_resumes_on_the_uninterrupted_curve_on_any_number_of_process
     # the export: dgemma and transformers read it alike; `dgemma export` with small shards gives the same
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    assert cli_main(["export", str(killed), "--out", str(tmp_path / "exported"), "--shard-size", "50000"]) == 0
+    assert cli_main(["export", str(killed), "--out", str(tmp_path / "exported"), "--shard-size", "50kB"]) == 0
     assert len(list((tmp_path / "exported").glob("*.safetensors"))) > 2
     again = dgemma.load_model(tmp_path / "exported")
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "exported").eval()
@@ -227,4 +227,4 @@ def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_read(base_model, 
     assert "the plan needs" in err and not (tmp_path / "run").exists()
     with pytest.raises(SystemExit) as bad:
         cli_main([*args, "--memory-per-rank", "lots"])
-    assert bad.value.code == 2 and "not a size: 'lots'" in capsys.readouterr().err
+    assert bad.value.code == 2 and "cannot read size 'lots'" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from dgemma.commands._common import add_revision_argument
 
 
 def _size(text: str) -> int:
-    from dgemma.training.memory import parse_size
+    from dgemma.convert import parse_size
 
     try:
         return parse_size(text)

@@ -114,15 +114,3 @@ def format_bytes(n: float) -> str:
 
 def plan_summary(plan: dict) -> str:
     return ", ".join(f"{t} {format_bytes(plan[t])}" for t in TERMS)
-
-
-def parse_size(text: str) -> int:
-    """"80GB", "80G", "80GiB", "1.5T", "123456789" -> bytes (GB = 1e9, GiB = 2**30)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 80GB, 80GiB, 1.5T)")
-    value, unit, binary = float(m.group(1)), m.group(2), m.group(3)
-    power = "_kmgt".index(unit) if unit else 0
-    return int(value * (1024 if binary else 1000) ** power)
