@@ -49,7 +49,7 @@ def memory_plan(config: ModelConfig, *, world_size: int, micro_batch: int, seq: 
     from dgemma.training.model_setup import configure_trainable
 
     with torch.device("meta"):
-        model = DiffusionGemma(config.replace(vision=None))  # training is text-only
+        model = DiffusionGemma(config)  # a vision tower is held (frozen): training is text-only
     if lora is not None and lora_base_bf16:
         model.to(torch.bfloat16)
     trainable = configure_trainable(model, objective=objective, lora=lora, train_router=train_router)

@@ -89,7 +89,8 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
     """Choose what learns; returns the number of trainable parameters.
 
     Full training: everything but the routers (frozen unless asked). LoRA: only the adapters. The
-    autoregressive baseline never runs the decoder, so its self-conditioning block stays frozen.
+    autoregressive baseline never runs the decoder, so its self-conditioning block stays frozen; a vision
+    tower never sees an image here, so it stays frozen too.
     """
     if lora is not None:
         apply_lora(model, **lora)
@@ -100,6 +101,9 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
                 block.router.requires_grad_(False)
     if objective == "ar":
         model.self_conditioning.requires_grad_(False)
+    for tower in (model.vision_tower, model.embed_vision):  # training is text-only: carried through unchanged
+        if tower is not None:
+            tower.requires_grad_(False)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if n == 0:
         raise ConfigError("nothing to train: every parameter is frozen")
