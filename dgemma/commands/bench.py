@@ -31,6 +31,9 @@ def add_arguments(p):
     add_compile_arguments(p, by_default=True)
     p.add_argument("--with-eager", action="store_true",
                    help="also time the eager engine (before compiling), beside the same comparisons")
+    p.add_argument("--check-tokens", action="store_true",
+                   help="after timing, check the engine's tokens against the plain loop (dgemma.generation), "
+                        "each row of every batch size alone, one canvas, fixed steps")
     p.add_argument("--no-startup", dest="startup", action="store_false",
                    help="skip the start-up measurement (fresh processes to the first canvas: eager, compiled "
                         "with an empty compile cache, compiled again with the cache it filled)")
@@ -150,6 +153,7 @@ def run(args):
                        if not (eager_timed and k.startswith("compiled_"))} for b, budget in budgets.items()}
     del hf
 
+    tokens_check = _check_tokens(model, prompts_by_batch, fixed, need) if args.check_tokens else None
     startup = None
     if args.startup:
         print("  start-up: fresh processes to the first canvas (eager; compiled, cold cache; compiled, warm)",
@@ -161,11 +165,37 @@ def run(args):
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
     result["startup"] = startup
+    if tokens_check is not None:
+        result["tokens_check"] = tokens_check
     if args.plot:
         _plot(rows, args.plot, name, args.steps)
         result["plot"] = args.plot
     print(json.dumps(result))
     return 0
+
+
+def _check_tokens(model, prompts_by_batch: dict, sampling, need: int) -> dict:
+    """The engine at each batch size against the plain loop run row by row (the reference), one canvas each,
+    the same seeds: exact on a CPU; on a GPU, where batch shapes can change the rounding, the share of
+    positions that agree is the figure to read (tests/test_cuda.py states what holds there)."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+
+    one = sampling.replace(max_new_tokens=model.config.canvas_length)
+    out = {}
+    for batch, prompts in prompts_by_batch.items():
+        seeds = [1000 + i for i in range(batch)]
+        engine = Engine(model, max_batch=batch, max_length=need).generate(prompts, one, seeds=seeds)
+        same = positions = rows_equal = 0
+        for prompt, seed, request in zip(prompts, seeds, engine):
+            plain = generate(model, [prompt], one, seed=seed).tokens[0]
+            same += sum(a == b for a, b in zip(request.tokens, plain))
+            positions += max(len(plain), len(request.tokens))
+            rows_equal += request.tokens == plain
+        out[str(batch)] = {"rows_equal": rows_equal, "rows": batch, "token_agreement": round(same / positions, 4)}
+        print(f"  tokens, batch {batch}: {rows_equal}/{batch} rows equal the plain loop, "
+              f"{100 * same / positions:.1f}% of tokens", file=sys.stderr)
+    return out
 
 
 def _dense_copy(model, args, dtype, device):
