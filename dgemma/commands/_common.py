@@ -47,11 +47,12 @@ def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | 
 
 # `--compile-mode auto`'s choice and its cost, for the help texts (dgemma/model/compilation.py says why)
 COMPILE_MODE_HELP = (
-    "auto (default): max-autotune-no-cudagraphs on a CPU (inductor times its kernel choices: a first compile "
-    "of ~1-3 minutes for a small model on 2 cores, seconds from the on-disk cache), default on CUDA (no "
-    "autotuning, no CUDA graphs: about a minute per shape family at 26B). reduce-overhead adds CUDA graphs "
-    "(inductor skips them for graphs that write their inputs, as the decoder step writes the KV cache); "
-    "max-autotune times every matmul shape (minutes per shape family on a GPU at 26B)")
+    "auto (default): max-autotune-no-cudagraphs on a CPU (inductor times its kernel choices; a cold compile "
+    "costs minutes on 2 cores, a warm one from the on-disk cache far less: `dgemma bench` prints both), "
+    "default on CUDA (no autotuning and no CUDA graphs: the cheapest compile; not yet timed on a GPU). "
+    "reduce-overhead adds CUDA graphs (a graph and its memory per shape; inductor skips them for graphs "
+    "that write their inputs, as the decoder step writes the KV cache); max-autotune times every matmul "
+    "shape, which at the 26B shape on a GPU is the slowest compile")
 
 
 def add_compile_arguments(p, *, by_default: bool | str):
