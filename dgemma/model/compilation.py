@@ -38,13 +38,25 @@ def default_mode(device) -> str:
     return CUDA_MODE if torch.device(device).type == "cuda" else CPU_MODE
 
 
+# What the user set, read when dgemma.model is imported: inductor writes its /tmp default into the same
+# variable the first time anything asks it for its cache folder, after which the two look alike.
+_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 def cache_dir() -> Path:
-    """Where inductor keeps its caches: TORCHINDUCTOR_CACHE_DIR if set, else the user's cache folder."""
+    """Where inductor keeps its caches: TORCHINDUCTOR_CACHE_DIR if the user set it, else the user's cache
+    folder."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen:
+    if chosen and (_USER_CACHE_DIR is not None or not _is_torch_default(chosen)):
         return Path(chosen)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dgemma" / "torchinductor"
+
+
+def _is_torch_default(path: str) -> bool:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(path) == os.path.abspath(default_cache_dir())
 
 
 def use_disk_cache() -> Path:

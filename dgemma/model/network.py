@@ -27,6 +27,7 @@ from dgemma.model.attention import (
     rope_inv_freq,
     rope_tables,
 )
+from dgemma.model import compilation
 from dgemma.model.experts import Experts, register_for_compile
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
@@ -465,8 +466,6 @@ class DiffusionGemma(nn.Module):
         compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
         warning line; `decoder_compiled` then says False.
         """
-        from dgemma.model import compilation
-
         if self.decoder_compiled or (self._compile_state is not None and self._compile_state.failed):
             return self
         mode = mode or compilation.default_mode(self.device)
@@ -493,8 +492,6 @@ class DiffusionGemma(nn.Module):
     def compiled_function(self, fn, *, mark: bool = False, **compile_kwargs):
         """`fn` compiled with this model's options, falling back to eager with the model's other compiled
         functions (the engine compiles its sampler scan with this). `fn` itself if nothing is compiled."""
-        from dgemma.model import compilation
-
         if self._compile_state is None or self._compile_state.failed:
             return fn
         return compilation.CompiledOrEager(fn, self._compile_state, mark=mark,
