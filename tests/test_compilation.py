@@ -51,6 +51,14 @@ def test_compile_policy_flags_environment_and_warm_cache(model, monkeypatch, tmp
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user"))
     assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    # inductor writes its /tmp default into TORCHINDUCTOR_CACHE_DIR once asked: that is not the user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(compilation, "_USER_CACHE_DIR", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert compilation.cache_dir() == tmp_path / "chosen"
 
 
 def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, monkeypatch, tmp_path, capfd):
