@@ -2,7 +2,7 @@
 model's compiled step is already in that cache, and the fallback to eager when compiling fails.
 
 - Mode: on a CPU "max-autotune-no-cudagraphs" (inductor times its kernels against ATen's and keeps the
-  faster: ~1-3 minutes cold for bench-20m on 2 cores, a matter of seconds from a warm cache). On CUDA
+  faster; `dgemma bench` measures the cold and the warm start: benchmarks/README.md). On CUDA
   "default": no autotuning (at the 26B shape max-autotune benchmarks every matmul shape, minutes per shape
   family) and no CUDA graphs, because the KV cache buffers the step writes into are inputs of the graph
   and inductor skips CUDA graphs for graphs that mutate their inputs. "reduce-overhead" and
