@@ -71,8 +71,8 @@ def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, 
     prompts = [[5, 6, 7], [9, 8]]
     eager = [r.tokens for r in Engine(model, max_batch=2).generate(prompts, s, seeds=[3, 4])]
     torch._dynamo.reset()  # no compiled code of other tests' models
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/c++"))
-    with temporary_cache_dir(str(tmp_path)):  # an empty cache: inductor needs its compiler
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")})
+    with no_compiler, temporary_cache_dir(str(tmp_path)):  # an empty cache: inductor needs its compiler
         refused = copy.deepcopy(model).compile_decoder()
         assert not refused.decoder_compiled
         assert [r.tokens for r in Engine(refused, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
