@@ -9,7 +9,13 @@ import dataclasses
 import json
 import sys
 
-from dgemma.commands._common import UsageError, add_compile_arguments, add_revision_argument, compile_mode, wants_compile
+from dgemma.commands._common import (
+    UsageError,
+    add_compile_arguments,
+    add_revision_argument,
+    compile_mode,
+    wants_compile,
+)
 
 
 def add_arguments(p):
