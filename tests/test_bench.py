@@ -11,7 +11,7 @@ def test_tiny_bench_prints_json(tmp_path):
     plot = tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--batch", "1,2", "--steps", "2",
-         "--repeats", "1", "--prompt-len", "8", "--plot", str(plot)],
+         "--repeats", "1", "--prompt-len", "8", "--eager", "--plot", str(plot)],
         capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -28,19 +28,26 @@ def test_bench_rejects_bad_batch():
     assert proc.returncode == 2 and "--batch" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_compiled_bench_reports_both_engines():
+def test_bench_compiles_by_default_and_reports_both_engines(tmp_path):
+    """No flag: the compiled engine (here beside the eager one, --with-eager), whose tokens equal the plain
+    loop's; the compiled step marks the compile cache warm for this model."""
+    cache = tmp_path / "cache"
     proc = subprocess.run(
         [sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--batch", "1", "--steps", "2", "--repeats", "1",
-         "--prompt-len", "8", "--compile", "--no-transformers", "--no-adaptive"],
-        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+         "--prompt-len", "8", "--with-eager", "--no-transformers", "--no-adaptive", "--no-startup", "--check-tokens"],
+        capture_output=True, text=True, timeout=600,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # AR decoding is timed twice: turn about with the eager engine, then with the compiled one
     assert {(r["system"], r["group"]) for r in result["results"]} == {
         ("engine-fixed", "eager"), ("ar", "eager"), ("engine-compiled", "compiled"), ("ar", "compiled")}
-    assert result["compile"] and result["speedup_vs_ar"] > 0 and result["speedup_vs_ar_eager"] > 0
-    assert "compiled_within_budget" in result["memory"]["1"]
+    assert result["compile"] and result["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert result["speedup_vs_ar"] > 0 and result["speedup_vs_ar_eager"] > 0
+    assert result["memory"]["1"]["compiled_within_budget"] and result["memory"]["1"]["checked"] == "host rss"
+    assert result["tokens_check"] == {"1": {"rows_equal": 1, "rows": 1, "token_agreement": 1.0}}
+    assert len(list((cache / "dgemma-warm").iterdir())) == 1  # `dgemma generate` on this model now compiles
 
 
 def test_systems_are_timed_turn_about():

@@ -261,3 +261,43 @@ def test_expert_path_follows_the_cost_model():
             choice = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(n)])
             experts(torch.randn(n, 256, generator=g), torch.rand(n, 2, generator=g), choice)
     assert calls == ["loop", "grid"]
+
+
+def test_grouped_expert_path_forced_on_cpu_equals_the_default_path():
+    """The CUDA expert path (torch._grouped_mm over the entries in expert order, offsets on the device),
+    forced through `Experts.route` on the CPU, where torch implements it too: the same outputs and the
+    same gradients (input, routing weights, both projections) as the CPU's own path, with an expert that
+    gets no token. The opaque op a compiled CUDA graph calls gives the same, and its fake (meta) kernel
+    passes torch's op checks."""
+    from dgemma.model.experts import Experts, register_for_compile, routed_experts
+
+    config = dgemma.get_preset("tiny")
+    g = torch.Generator().manual_seed(0)
+    default, grouped = Experts(config), Experts(config)
+    with torch.no_grad():
+        for p in default.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    grouped.load_state_dict(default.state_dict())
+    grouped.grouped_devices, grouped.grouped_dtypes = ("cpu",), (torch.float32,)
+    calls = []
+    grouped._grouped = (lambda f: lambda *a: calls.append("grouped") or f(*a))(grouped._grouped)
+    N, k, E = 40, config.top_k_experts, config.num_experts
+    x = torch.randn(N, config.hidden_size, generator=g)
+    weights = torch.rand(N, k, generator=g)
+    choice = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])  # the last expert idle
+    outputs, grads = [], []
+    for experts in (default, grouped):
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(xi, wi, choice)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        outputs.append(out.detach())
+        grads.append([xi.grad, wi.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    assert calls == ["grouped"]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert grads[1][2][E - 1].abs().max() == 0  # the idle expert's weights get no gradient
+    register_for_compile(grouped)
+    with torch.no_grad():
+        torch.testing.assert_close(routed_experts(grouped.op_key, x, choice), grouped.route(x, choice))
+    torch.library.opcheck(routed_experts, (grouped.op_key, x, choice), test_utils=("test_schema", "test_faketensor"))

@@ -33,7 +33,7 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def add_model_arguments(p, *, required: bool = True):
+def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | str = False):
     p.add_argument("--model", required=required,
                    help="a DiffusionGemma model folder (Hugging Face format) or a Hugging Face id (org/name)")
     add_revision_argument(p)
@@ -42,8 +42,69 @@ def add_model_arguments(p, *, required: bool = True):
                    help="weights and activations (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation applied while loading")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the denoising step (a one-off compile of ~10-60 s, then faster steps)")
+    add_compile_arguments(p, by_default=compile_by_default)
+
+
+# `--compile-mode auto`'s choice and its cost, for the help texts (dgemma/model/compilation.py says why)
+COMPILE_MODE_HELP = (
+    "auto (default): max-autotune-no-cudagraphs on a CPU (inductor times its kernel choices; a cold compile "
+    "costs minutes on 2 cores, a warm one from the on-disk cache far less: `dgemma bench` prints both), "
+    "default on CUDA (no autotuning and no CUDA graphs: the cheapest compile; not yet timed on a GPU). "
+    "reduce-overhead adds CUDA graphs (a graph and its memory per shape; inductor skips them for graphs "
+    "that write their inputs, as the decoder step writes the KV cache); max-autotune times every matmul "
+    "shape, which at the 26B shape on a GPU is the slowest compile")
+
+
+def add_compile_arguments(p, *, by_default: bool | str):
+    """--compile / --eager / --compile-mode. `by_default`: True (compiled unless --eager), False (only
+    with --compile) or "warm" (with --compile, or when this model's compiled step is in the cache)."""
+    g = p.add_mutually_exclusive_group()
+    when = {True: "the default here", False: "off by default here",
+            "warm": "the default here once the compile cache holds this model's step (a previous compiled run)"}
+    g.add_argument("--compile", action="store_true",
+                   help=f"torch.compile the denoising step ({when[by_default]}; a one-off compile, kept in "
+                        "torch's cache under ~/.cache/dgemma, then faster steps)")
+    g.add_argument("--eager", action="store_true",
+                   help="never compile (also DGEMMA_EAGER=1); where compiling is unavailable or fails, "
+                        "dgemma runs eagerly anyway after one warning line")
+    p.add_argument("--compile-mode", choices=("auto",) + _modes(), default="auto", help=COMPILE_MODE_HELP)
+    p.set_defaults(compile_by_default=by_default)
+
+
+def _modes():
+    return ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def wants_compile(args, model) -> bool:
+    """The compile policy: flags first, then DGEMMA_EAGER, then the command's default."""
+    import os
+
+    from dgemma.model import compilation
+
+    if getattr(args, "eager", False):
+        return False
+    if getattr(args, "compile", False):
+        return True
+    if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
+        return False
+    default = getattr(args, "compile_by_default", False)
+    if default == "warm":
+        return compilation.is_warm(model, compile_mode(args, model))
+    return bool(default)
+
+
+def compile_mode(args, model) -> str:
+    from dgemma.model import compilation
+
+    mode = getattr(args, "compile_mode", "auto")
+    return compilation.default_mode(model.device) if mode == "auto" else mode
+
+
+def maybe_compile(args, model):
+    """`model.compile_decoder()` when the policy says so (see `wants_compile`); the model either way."""
+    if wants_compile(args, model):
+        model.compile_decoder(compile_mode(args, model))
+    return model
 
 
 def add_revision_argument(p):
@@ -99,7 +160,7 @@ def load_from_args(args):
 
     device, dtype = resolve_device_dtype(args)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
-    return model.compile_decoder() if args.compile else model
+    return maybe_compile(args, model)
 
 
 def read_prompt(text: str | None) -> str:

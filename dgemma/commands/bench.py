@@ -5,10 +5,17 @@ Prints a table and, as the last line, one JSON object with every figure and the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
-from dgemma.commands._common import UsageError, add_revision_argument
+from dgemma.commands._common import (
+    UsageError,
+    add_compile_arguments,
+    add_revision_argument,
+    compile_mode,
+    wants_compile,
+)
 
 
 def add_arguments(p):
@@ -27,7 +34,15 @@ def add_arguments(p):
     p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
                    help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
-    p.add_argument("--compile", action="store_true", help="torch.compile our denoising step (compiled in the warm-up)")
+    add_compile_arguments(p, by_default=True)
+    p.add_argument("--with-eager", action="store_true",
+                   help="also time the eager engine (before compiling), beside the same comparisons")
+    p.add_argument("--check-tokens", action="store_true",
+                   help="after timing, check the engine's tokens against the plain loop (dgemma.generation), "
+                        "each row of every batch size alone, one canvas, fixed steps")
+    p.add_argument("--no-startup", dest="startup", action="store_false",
+                   help="skip the start-up measurement (fresh processes to the first canvas: eager, compiled "
+                        "with an empty compile cache, compiled again with the cache it filled)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
@@ -101,6 +116,7 @@ def run(args):
     prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
                         for b in batches}
     need = positions_needed(args.prompt_len, new_tokens, c.canvas_length)
+    compiling = wants_compile(args, model)
 
     def compared(engine_system: str, batch: int, prompts) -> list:
         """Our engine, transformers and AR decoding, timed turn about (see `timing.interleave`)."""
@@ -112,39 +128,80 @@ def run(args):
         timing.interleave(systems, args.repeats)
         return systems
 
-    for batch, prompts in prompts_by_batch.items():
-        systems = compared("engine-fixed", batch, prompts)
-        rows += [timed.measurement("eager") for timed in systems]
-        engine = rows[-len(systems)]
-        budget = timing.memory_budget(model, batch, need)
-        # resident memory before a run already holds weights, runtime and the allocated KV cache; during
-        # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
-        budget["rss_before_bytes"] = engine.rss_before_bytes
-        budget["peak_rss_bytes"] = engine.peak_rss_bytes
-        budget["within_budget"] = systems[0].within_budget(budget["logits_buffer_bytes"])
-        budgets[batch] = budget
-        if not args.no_adaptive:
-            adaptive_run = timing.EngineTimed(model, prompts, adaptive, "engine-adaptive")
-            adaptive_run.run(0)
-            rows.append(adaptive_run.measurement("eager"))
-        print(f"  batch {batch} done", file=sys.stderr)
-    if args.compile:  # after every eager run: compiling swaps the model's decoder for good
-        model.compile_decoder()
-        for batch, prompts in prompts_by_batch.items():  # the same prompts, and the others timed again
-            systems = compared("engine-compiled", batch, prompts)
-            rows += [timed.measurement("compiled") for timed in systems]
-            budgets[batch]["compiled_peak_rss_bytes"] = rows[-len(systems)].peak_rss_bytes
-            budgets[batch]["compiled_within_budget"] = systems[0].within_budget(budgets[batch]["logits_buffer_bytes"])
-            print(f"  batch {batch} compiled done", file=sys.stderr)
+    def check_memory(batch: int, engine_timed, prefix: str = ""):
+        # before a run, memory already holds weights, runtime and the allocated KV cache; during generation
+        # it may grow by one (B, L, V) fp32 buffer, within 10% of the whole. On CUDA that is the GPU's
+        # allocated memory (torch.cuda.max_memory_allocated), not the host's resident set.
+        budget = budgets.setdefault(batch, timing.memory_budget(model, batch, need))
+        budget.update(engine_timed.memory_record(budget["logits_buffer_bytes"], prefix))
+
+    groups = ([("eager", "engine-fixed")] if args.with_eager or not compiling else []) + \
+        ([("compiled", "engine-compiled")] if compiling else [])
+    for group, engine_system in groups:
+        if group == "compiled":  # after every eager run: compiling swaps the model's decoder for good
+            model.compile_decoder(compile_mode(args, model))
+        for batch, prompts in prompts_by_batch.items():  # the same prompts in every group
+            systems = compared(engine_system, batch, prompts)
+            rows += [timed.measurement(group) for timed in systems]
+            check_memory(batch, systems[0], "compiled_" if group == "compiled" and len(groups) > 1 else "")
+            if not args.no_adaptive and group == groups[-1][0]:
+                adaptive_run = timing.EngineTimed(model, prompts, adaptive, "engine-adaptive")
+                adaptive_run.run(0)
+                rows.append(adaptive_run.measurement(group))
+            print(f"  batch {batch} {group} done", file=sys.stderr)
+    compiled_ran = compiling and model.decoder_compiled
+    if compiling and not compiled_ran:  # compiling was unavailable or failed (warned): those runs were eager
+        eager_timed = any(r.group == "eager" for r in rows)
+        rows = [r for r in rows if r.group == "eager"] if eager_timed else \
+            [dataclasses.replace(r, group="eager", system="engine-fixed" if r.system == "engine-compiled" else r.system)
+             for r in rows]
+        budgets = {b: {k.removeprefix("compiled_"): v for k, v in budget.items()
+                       if not (eager_timed and k.startswith("compiled_"))} for b, budget in budgets.items()}
     del hf
 
+    tokens_check = _check_tokens(model, prompts_by_batch, fixed, need) if args.check_tokens else None
+    startup = None
+    if args.startup:
+        print("  start-up: fresh processes to the first canvas (eager; compiled, cold cache; compiled, warm)",
+              file=sys.stderr)
+        startup = timing.measure_startup(args, device, dtype, compile_mode(args, model), new_tokens)
     _table(rows)
-    result = _summary(rows, budgets, name, device, dtype, args, new_tokens)
+    if startup:
+        _startup_table(startup)
+    result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
+    result["compile_mode"] = compile_mode(args, model) if compiling else None
+    result["startup"] = startup
+    if tokens_check is not None:
+        result["tokens_check"] = tokens_check
     if args.plot:
         _plot(rows, args.plot, name, args.steps)
         result["plot"] = args.plot
     print(json.dumps(result))
     return 0
+
+
+def _check_tokens(model, prompts_by_batch: dict, sampling, need: int) -> dict:
+    """The engine at each batch size against the plain loop run row by row (the reference), one canvas each,
+    the same seeds: exact on a CPU; on a GPU, where batch shapes can change the rounding, the share of
+    positions that agree is the figure to read (tests/test_cuda.py states what holds there)."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+
+    one = sampling.replace(max_new_tokens=model.config.canvas_length)
+    out = {}
+    for batch, prompts in prompts_by_batch.items():
+        seeds = [1000 + i for i in range(batch)]
+        engine = Engine(model, max_batch=batch, max_length=need).generate(prompts, one, seeds=seeds)
+        same = positions = rows_equal = 0
+        for prompt, seed, request in zip(prompts, seeds, engine):
+            plain = generate(model, [prompt], one, seed=seed).tokens[0]
+            same += sum(a == b for a, b in zip(request.tokens, plain))
+            positions += max(len(plain), len(request.tokens))
+            rows_equal += request.tokens == plain
+        out[str(batch)] = {"rows_equal": rows_equal, "rows": batch, "token_agreement": round(same / positions, 4)}
+        print(f"  tokens, batch {batch}: {rows_equal}/{batch} rows equal the plain loop, "
+              f"{100 * same / positions:.1f}% of tokens", file=sys.stderr)
+    return out
 
 
 def _dense_copy(model, args, dtype, device):
@@ -166,29 +223,33 @@ def _table(rows):
     from rich.table import Table
 
     grouped = len({r.group for r in rows}) > 1
+    gpu = any(r.gpu_peak_bytes is not None for r in rows)
     t = Table(title="generation speed (best of repeats; systems of one group timed turn about)")
-    for col in ("system", "batch", "tokens/s", "ms/step", "TTFC s", "tok/forward", "peak RSS MB") + (("group",) if grouped else ()):
+    for col in ("system", "batch", "tokens/s", "ms/step", "TTFC s", "tok/forward", "peak RSS MB") + \
+            (("GPU peak MB",) if gpu else ()) + (("group",) if grouped else ()):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(r.system, str(r.batch), f"{r.tokens_per_s:,.0f}",
                   "-" if r.ms_per_step is None else f"{r.ms_per_step:.1f}",
                   "-" if r.ttfc_s is None else f"{r.ttfc_s:.3f}",
                   "-" if r.tokens_per_forward is None else f"{r.tokens_per_forward:.1f}",
-                  f"{r.peak_rss_bytes / 2**20:,.0f}", *((r.group,) if grouped else ()))
+                  f"{r.peak_rss_bytes / 2**20:,.0f}",
+                  *((f"{(r.gpu_peak_bytes or 0) / 2**20:,.0f}",) if gpu else ()), *((r.group,) if grouped else ()))
     Console(stderr=False, width=130).print(t)
 
 
-def _summary(rows, budgets, name, device, dtype, args, new_tokens):
+def _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran: bool):
     by = {(r.group, r.system, r.batch): r for r in rows}
     out = {"model": name, "device": device, "dtype": str(dtype).replace("torch.", ""),
            "transformers_dtype": args.transformers_dtype, "steps": args.steps,
            "new_tokens": new_tokens, "prompt_len": args.prompt_len, "quantize": args.quantize,
-           "compile": args.compile, "repeats": args.repeats, "keep_freed_memory": args.keep_freed_memory,
+           "compile": compiled_ran, "repeats": args.repeats, "keep_freed_memory": args.keep_freed_memory,
            "results": [r.__dict__ for r in rows], "memory": {str(b): v for b, v in budgets.items()}}
     # Each ratio compares runs timed turn about. The headline uses our fastest fixed-steps engine
     # (compiled when it ran); the eager engine's ratios are kept beside it.
-    engines = [("compiled", "engine-compiled", ""), ("eager", "engine-fixed", "_eager")] if args.compile \
-        else [("eager", "engine-fixed", "")]
+    groups = {r.group for r in rows}
+    engines = [(g, s, "" if g == ("compiled" if "compiled" in groups else "eager") else "_" + g)
+               for g, s in (("compiled", "engine-compiled"), ("eager", "engine-fixed")) if g in groups]
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
         for group, engine, suffix in engines:
             ratios = {str(b): round(by[(group, engine, b)].tokens_per_s / by[(g, s, b)].tokens_per_s, 3)
@@ -197,6 +258,18 @@ def _summary(rows, budgets, name, device, dtype, args, new_tokens):
                 out[key + suffix] = ratios.get("1", next(iter(ratios.values())))  # batch 1 when measured
                 out[key + suffix + "_by_batch"] = ratios
     return out
+
+
+def _startup_table(startup: dict):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="start-up: a fresh process to its first canvas (batch 1)")
+    for col in ("run", "seconds", "of which building the model", "first canvas (compiling included)", "compiled"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for run, r in startup.items():
+        t.add_row(run, f"{r['seconds']:.1f}", f"{r['build_s']:.1f}", f"{r['first_canvas_s']:.1f}", str(r["compiled"]))
+    Console(stderr=False, width=130).print(t)
 
 
 def _plot(rows, path, name, steps):

@@ -56,18 +56,26 @@ class Measurement:
     group: str = "eager"  # the systems timed turn about with this one ("eager" or "compiled" engine)
 
 
+def _is_cuda(device) -> bool:
+    return str(device).startswith("cuda")
+
+
 def _sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
 
 
 def _gpu_reset(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+    if _is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _gpu_allocated(device):
+    return torch.cuda.memory_allocated(device) if _is_cuda(device) else None
 
 
 def _gpu_peak(device):
-    return torch.cuda.max_memory_allocated() if str(device).startswith("cuda") else None
+    return torch.cuda.max_memory_allocated(device) if _is_cuda(device) else None
 
 
 class Timed:
@@ -93,20 +101,36 @@ class Timed:
         _gpu_reset(self.device)
         release_freed_memory()
         rss_before = rss_bytes()
+        gpu_before = _gpu_allocated(self.device)
         reset_peak_rss()
         _sync(self.device)
         start = time.perf_counter()
         extra = self.generate(r)
         _sync(self.device)
         self.runs.append(dict(extra, seconds=time.perf_counter() - start, rss_before=rss_before,
-                              peak_rss=rss_bytes("VmHWM"), gpu_peak=_gpu_peak(self.device)))
+                              peak_rss=rss_bytes("VmHWM"), gpu_before=gpu_before, gpu_peak=_gpu_peak(self.device)))
 
     def fastest(self) -> dict:
         return min(self.runs, key=lambda run: run["seconds"])
 
     def within_budget(self, extra_bytes: int) -> bool:
-        """Every run's peak resident memory within 10% over what it started with plus `extra_bytes`."""
-        return all(run["peak_rss"] <= 1.1 * (run["rss_before"] + extra_bytes) for run in self.runs)
+        """Every run's peak within 10% over what it started with plus `extra_bytes`: the GPU's allocated
+        memory on CUDA (where the buffers live), the process's resident memory elsewhere."""
+        before, peak = ("gpu_before", "gpu_peak") if _is_cuda(self.device) else ("rss_before", "peak_rss")
+        return all(run[peak] <= 1.1 * (run[before] + extra_bytes) for run in self.runs)
+
+    def memory_record(self, extra_bytes: int, prefix: str = "") -> dict:
+        """The memory check's figures for `dgemma bench`'s JSON (keys prefixed for a second engine group)."""
+        record = {"rss_before_bytes": min(run["rss_before"] for run in self.runs),
+                  "peak_rss_bytes": max(run["peak_rss"] for run in self.runs),
+                  "within_budget": self.within_budget(extra_bytes)}
+        if _is_cuda(self.device):
+            record.update(checked="gpu", gpu_before_bytes=min(run["gpu_before"] for run in self.runs),
+                          gpu_peak_bytes=max(run["gpu_peak"] for run in self.runs),
+                          gpu_total_bytes=torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
+        else:
+            record["checked"] = "host rss"
+        return {prefix + k: v for k, v in record.items()}
 
 
 def interleave(systems: list[Timed], repeats: int):
@@ -232,3 +256,62 @@ def memory_budget(model, batch: int, max_length: int) -> dict:
     kv = cache.nbytes()
     logits = batch * model.config.canvas_length * model.config.vocab_size * 4
     return {"kv_cache_bytes": kv, "logits_buffer_bytes": logits}
+
+
+# A fresh process, timed from its launch to the first canvas of one batch-1 request (`measure_startup`).
+_STARTUP = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+import dgemma
+from dgemma.engine import Engine, positions_needed
+a = json.loads(sys.argv[1])
+torch.set_num_threads(a["threads"])
+torch.manual_seed(a["seed"])
+dtype = getattr(torch, a["dtype"])
+if a["model"]:
+    model = dgemma.load_model(a["model"], device=a["device"], dtype=dtype, quantize=a["quantize"])
+else:
+    model = dgemma.DiffusionGemma(dgemma.get_preset(a["config"])).to(device=a["device"], dtype=dtype).eval()
+    if a["quantize"]:
+        from dgemma.model.quant import quantize_model
+        quantize_model(model, a["quantize"])
+built = time.perf_counter()
+if a["compile"]:
+    model.compile_decoder(a["mode"])
+L = model.config.canvas_length
+sampling = model.sampling_config.replace(max_new_tokens=L, max_denoising_steps=a["steps"], fixed_steps=True,
+                                         eos_token_ids=(model.config.vocab_size + 1,))
+prompt = torch.randint(3, model.config.vocab_size, (a["prompt_len"],)).tolist()
+engine = Engine(model, max_batch=1, max_length=positions_needed(len(prompt), L, L))
+engine.generate([prompt], sampling, seeds=[0])
+if a["device"].startswith("cuda"):
+    torch.cuda.synchronize()
+done = time.perf_counter()
+print(json.dumps({"build_s": built - start, "first_canvas_s": done - built, "compiled": model.decoder_compiled}))
+"""
+
+
+def measure_startup(args, device: str, dtype, mode: str, new_tokens: int) -> dict:
+    """Start-up, each in a fresh process from its launch to its first canvas (batch 1, the bench's prompt
+    length and steps): eager; compiled with an empty compile cache (cold: tracing, inductor's code
+    generation and C++ or triton compiles); compiled again with the cache the cold run filled (warm)."""
+    import json
+    import subprocess
+    import sys
+
+    spec = dict(threads=torch.get_num_threads(), seed=args.seed, dtype=str(dtype).replace("torch.", ""),
+                model=args.model, config=args.config, device=device, quantize=args.quantize, mode=mode,
+                steps=args.steps, prompt_len=args.prompt_len)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="dgemma-compile-cache-") as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        for run, compiled in (("eager", False), ("compiled, cold cache", True), ("compiled, warm cache", True)):
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _STARTUP, json.dumps(dict(spec, compile=compiled))],
+                                  capture_output=True, text=True, env=env)
+            seconds = time.perf_counter() - start
+            if proc.returncode != 0:
+                raise RuntimeError(f"start-up run ({run}) failed:\n{proc.stderr[-2000:]}")
+            out[run] = dict(json.loads(proc.stdout.strip().splitlines()[-1]), seconds=seconds)
+    return out

@@ -17,7 +17,7 @@ from dgemma.commands._common import (
 
 
 def add_arguments(p):
-    add_model_arguments(p)
+    add_model_arguments(p, compile_by_default=True)
     p.add_argument("--system", default=None, help="a system message to start the conversation")
     p.add_argument("--show-drafts", action="store_true", help="draw each canvas live while it denoises")
     p.add_argument("--think", action="store_true",

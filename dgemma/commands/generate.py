@@ -17,7 +17,7 @@ from dgemma.commands._common import (
 
 
 def add_arguments(p):
-    add_model_arguments(p)
+    add_model_arguments(p, compile_by_default="warm")
     p.add_argument("--prompt", default=None, help="the prompt text; - reads standard input")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--image", action="append", default=[], metavar="PATH",

@@ -11,7 +11,7 @@ from dgemma.commands._common import UsageError, add_model_arguments, load_from_a
 
 
 def add_arguments(p):
-    add_model_arguments(p)
+    add_model_arguments(p, compile_by_default=True)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; the chosen port is printed)")

@@ -7,7 +7,14 @@ import random
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import UsageError, add_denoising_arguments, add_revision_argument, denoising_overrides
+from dgemma.commands._common import (
+    UsageError,
+    add_compile_arguments,
+    add_denoising_arguments,
+    add_revision_argument,
+    denoising_overrides,
+    maybe_compile,
+)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
 SHIPPED_AR = SHIPPED.parent / "sudoku-ar"  # the AR baseline: same data, size and steps, next-token loss
@@ -32,20 +39,20 @@ def add_arguments(p):
     solve = sub.add_parser("solve", help="solve one puzzle, showing the grid as it denoises")
     solve.add_argument("puzzle", nargs="?", default=SAMPLE_PUZZLE,
                        help="81 characters, digits with 0 or . for blanks (default: a sample puzzle)")
-    _model_arguments(solve)
+    _model_arguments(solve, compile_by_default="warm")
     solve.add_argument("--no-live", action="store_true", help="print only the result")
     solve.set_defaults(_action=_solve)
 
     ev = sub.add_parser("eval", help="solve every puzzle of a file; per-bucket accuracy, JSON last")
     ev.add_argument("--file", required=True, help="one puzzle per line (81 chars, 0 or . blank; ',solution' ignored)")
-    _model_arguments(ev)
+    _model_arguments(ev, compile_by_default=True)
     ev.add_argument("--batch", type=int, default=32, help="puzzles denoised together (default 32)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N puzzles")
     ev.add_argument("--plot", default=None, help="write a PNG of the order in which cells get fixed")
     ev.set_defaults(_action=_eval)
 
 
-def _model_arguments(p):
+def _model_arguments(p, *, compile_by_default: bool | str):
     p.add_argument("--model", default=None,
                    help=f"model folder or Hugging Face id (default: the shipped model, {SHIPPED.name}; with "
                         f"--ar the shipped AR baseline, {SHIPPED_AR.name})")
@@ -61,6 +68,7 @@ def _model_arguments(p):
     add_denoising_arguments(p.add_argument_group("sampling (defaults from the model's generation_config.json)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    add_compile_arguments(p, by_default=compile_by_default)
 
 
 def run(args):
@@ -114,7 +122,7 @@ def _load(args):
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")
-    return model
+    return maybe_compile(args, model)
 
 
 def _sampling(model, args):

@@ -66,7 +66,8 @@ class Engine:
         self.scored_tokens = 0  # prompt tokens the encoder ran for scoring (shared prefixes once), for benchmarks
         self.score_chunk_tokens = score_chunk_tokens
         # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
-        self.scan = torch.compile(scan_logits, dynamic=True) if model.decoder_compiled else scan_logits
+        self.scan = model.compiled_function(scan_logits, dynamic=True, options=None) if model.decoder_compiled \
+            else scan_logits
 
     @property
     def max_length(self) -> int:

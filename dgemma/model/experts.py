@@ -37,6 +37,9 @@ class Experts(nn.Module):
     # experts 256 wide over hidden 256.
     grid_rows_per_expert, loop_rows_per_expert = 16, 64
     grid_preference = 1.0  # the grid runs while its cost <= this * the loop's (0 forces the loop)
+    # Where the grouped GEMM runs: CUDA in bf16. torch's CPU implementation of `_grouped_mm` is slower than
+    # the grid there, but exact, so the tests force this path on CPU to check it, forward and backward.
+    grouped_devices, grouped_dtypes = ("cuda",), (torch.bfloat16,)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -90,7 +93,8 @@ class Experts(nn.Module):
         num_experts = self.gate_up_proj.shape[0]
         flat_expert, rank, counts = self._ranks(experts)
         entries = x.repeat_interleave(k, dim=0)  # (N*k, H) the token of every entry
-        if self.batched and self.grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        if self.batched and self.grouped and x.device.type in self.grouped_devices and x.dtype in self.grouped_dtypes \
+                and hasattr(torch, "_grouped_mm"):
             out = self._in_expert_order(self._grouped, entries, flat_expert, rank, counts, counts)  # no host sync
         else:
             busiest, active = int(counts.max()), int(counts.count_nonzero())

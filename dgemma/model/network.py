@@ -28,6 +28,7 @@ from dgemma.model.attention import (
     rope_inv_freq,
     rope_tables,
 )
+from dgemma.model import compilation
 from dgemma.model.experts import Experts, register_for_compile
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
@@ -200,6 +201,8 @@ class DiffusionGemma(nn.Module):
             self.embed_vision = VisionEmbedder(config.vision, config.hidden_size)
         self._inv_freq: dict = {}
         self._compiled_encoder = None  # `encode_tokens` compiled, for passes without gradients
+        self._compile_state = None  # shared by the compiled functions (`dgemma.model.compilation`)
+        self._compile_options: dict = {}
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -442,39 +445,60 @@ class DiffusionGemma(nn.Module):
             x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
 
-    def compile_decoder(self, mode: str | None = "max-autotune-no-cudagraphs", cpp_wrapper: bool | None = None):
+    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None):
         """Compile `decode_canvas` with torch.compile (inductor), and the encoder's layers (`encode_tokens`)
         for passes without gradients: prompts, committed canvases and autoregressive tokens.
 
         Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix)
         shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
-        (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op. The
-        default mode lets inductor time its own kernels against ATen's and keep the faster, so its choices
-        follow timings and can vary between runs on a noisy machine (step times: benchmarks/README.md).
-        CUDA graphs are left out because the experts' grouping depends on the routing.
+        (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op.
 
+        `mode` defaults by device (`dgemma.model.compilation`): on a CPU "max-autotune-no-cudagraphs",
+        which lets inductor time its own kernels against ATen's and keep the faster (its choices follow
+        timings, so they can vary between runs on a noisy machine: benchmarks/README.md); on CUDA
+        "default" (no autotuning, no CUDA graphs: the step writes into the KV cache, its input).
         `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels and
         allocates their buffers in C++ instead of Python: less interpreter time per step, against a slower
-        first compile.
+        first compile. Compiled code goes to torch's on-disk caches, so a second start is quick. Where
+        compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
+        warning line; `decoder_compiled` then says False.
         """
+        if self.decoder_compiled or (self._compile_state is not None and self._compile_state.failed):
+            return self
+        mode = mode or compilation.default_mode(self.device)
+        reason = compilation.unavailable_reason(self.device)
+        if reason is not None:
+            compilation.warn_eager(reason)
+            return self
+        compilation.use_disk_cache()
         for module in self.modules():
             if isinstance(module, Experts):
                 register_for_compile(module)
         # the experts' grid capacity is read from a tensor inside the graph (an unbacked size); without
         # this, dynamo would break the graph at every layer there
         torch._dynamo.config.capture_scalar_outputs = True
-        if not self.decoder_compiled:
-            # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
-            options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-            options["cpp_wrapper"] = self.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
-            self.decode_canvas = torch.compile(self.decode_canvas, options=options)
-            self._compiled_encoder = torch.compile(self.encode_tokens, options=options)
+        options = dict(torch._inductor.list_mode_options(mode))
+        options["cpp_wrapper"] = self.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
+        self._compile_state = compilation.CompileState(self, mode)
+        self._compile_options = options
+        # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
+        self.decode_canvas = self.compiled_function(self.decode_canvas, mark=True)
+        self._compiled_encoder = self.compiled_function(self.encode_tokens)
         return self
+
+    def compiled_function(self, fn, *, mark: bool = False, **compile_kwargs):
+        """`fn` compiled with this model's options, falling back to eager with the model's other compiled
+        functions (the engine compiles its sampler scan with this). `fn` itself if nothing is compiled."""
+        if self._compile_state is None or self._compile_state.failed:
+            return fn
+        return compilation.CompiledOrEager(fn, self._compile_state, mark=mark,
+                                           **{"options": self._compile_options, **compile_kwargs})
 
     @property
     def decoder_compiled(self) -> bool:
-        """Whether `compile_decoder` has run (it compiles the decoder and the encoder's layers together)."""
-        return self._compiled_encoder is not None
+        """Whether the decoder step runs compiled: `compile_decoder` ran and compiling has not failed (it
+        compiles the decoder and the encoder's layers together)."""
+        return self._compiled_encoder is not None and not self._compile_state.failed
 
     def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows, at_cache_lengths=False):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of

@@ -191,6 +191,10 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     latest, saved = _resume_point(config, out, say)
     model_config, eos_id, dataset, _ = _architecture_and_data(config)
     _check_memory(config, model_config, dataset, env)
+    if env.device.type == "cuda" and config.precision == "fp32":
+        # fp32 weights and activations, matmuls on the tensor cores in TF32 (10-bit mantissa products,
+        # fp32 accumulation): ~8x an H100's fp32 rate, the usual choice for fp32 training on CUDA
+        torch.set_float32_matmul_precision("high")
     model, optimizer, trainable = _model_and_optimizer(config, model_config, eos_id, env)
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "

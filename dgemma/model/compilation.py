@@ -1,0 +1,164 @@
+"""How the denoising step is compiled: the mode by device, torch's on-disk caches, the marker that says a
+model's compiled step is already in that cache, and the fallback to eager when compiling fails.
+
+- Mode: on a CPU "max-autotune-no-cudagraphs" (inductor times its kernels against ATen's and keeps the
+  faster; `dgemma bench` measures the cold and the warm start: benchmarks/README.md). On CUDA
+  "default": no autotuning (at the 26B shape max-autotune benchmarks every matmul shape, minutes per shape
+  family) and no CUDA graphs, because the KV cache buffers the step writes into are inputs of the graph
+  and inductor skips CUDA graphs for graphs that mutate their inputs. "reduce-overhead" and
+  "max-autotune" can be asked for (`--compile-mode`); see docs and `dgemma/commands/_common.py`.
+- Caches: inductor's FX graph cache, its autotuning results and dynamo's record of which sizes vary
+  (automatic dynamic PGO) all live under TORCHINDUCTOR_CACHE_DIR. Unless the user set it, that is
+  `$XDG_CACHE_HOME/dgemma/torchinductor` (~/.cache/...), not torch's /tmp default, so a second start
+  reuses the first one's kernels across reboots.
+- Warm marker: after a compiled step has run, a file keyed by what changes the compiled code (the model
+  config, dtype, quantisation, device type, mode, torch version) is written in that cache directory.
+  One-shot commands compile by default only when it exists (`is_warm`).
+- Fallback: compiling needs a C++ compiler on a CPU and triton on a GPU. Without them, or when a compile
+  raises, the model runs eagerly, after one warning line on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+CPU_MODE = "max-autotune-no-cudagraphs"
+CUDA_MODE = "default"
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def default_mode(device) -> str:
+    return CUDA_MODE if torch.device(device).type == "cuda" else CPU_MODE
+
+
+# What the user set, read when dgemma.model is imported: inductor writes its /tmp default into the same
+# variable the first time anything asks it for its cache folder, after which the two look alike.
+_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def cache_dir() -> Path:
+    """Where inductor keeps its caches: TORCHINDUCTOR_CACHE_DIR if the user set it, else the user's cache
+    folder."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and (_USER_CACHE_DIR is not None or not _is_torch_default(chosen)):
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dgemma" / "torchinductor"
+
+
+def _is_torch_default(path: str) -> bool:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(path) == os.path.abspath(default_cache_dir())
+
+
+def use_disk_cache() -> Path:
+    """Point inductor (read at each compile) at `cache_dir()`; returns it."""
+    path = cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def unavailable_reason(device) -> str | None:
+    """Why torch.compile cannot work here, or None: no C++ compiler for inductor's CPU kernels, no
+    triton for its GPU kernels."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as e:  # InvalidCxxCompiler, or whatever the search raises on this platform
+            return f"no working C++ compiler ({str(e).splitlines()[0]})"
+    elif kind == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "triton is not installed (pip install triton)"
+    return None
+
+
+def warm_key(model, mode: str) -> str:
+    """What the compiled code depends on, hashed."""
+    config = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else repr(model.config)
+    what = dict(config=config, dtype=str(model.dtype), device=model.device.type, mode=mode,
+                quantization=model.quantization, torch=torch.__version__)
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _marker(model, mode: str) -> Path:
+    return cache_dir() / "dgemma-warm" / warm_key(model, mode)
+
+
+def is_warm(model, mode: str | None = None) -> bool:
+    """Whether this model's compiled step has run before from this cache (so compiling is quick)."""
+    return _marker(model, mode or default_mode(model.device)).is_file()
+
+
+def mark_warm(model, mode: str):
+    path = _marker(model, mode)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"torch": torch.__version__, "dtype": str(model.dtype),
+                                    "device": model.device.type, "mode": mode}) + "\n")
+    except OSError:
+        pass  # a read-only cache folder costs the next start its warm default, nothing else
+
+
+def warn_eager(reason: str):
+    """The one line a user sees when the compiled step is not used."""
+    print(f"warning: torch.compile unavailable, running eagerly: {reason}", file=sys.stderr, flush=True)
+
+
+class CompileState:
+    """Shared by one model's compiled functions: once one fails to compile, all run eagerly."""
+
+    def __init__(self, model, mode: str):
+        self.model, self.mode = model, mode
+        self.failed = False
+        self.marked = False
+
+    def fail(self, error: BaseException):
+        if not self.failed:
+            self.failed = True
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            warn_eager(f"compiling failed ({type(error).__name__}: {first})")
+
+    def succeeded(self):
+        if not self.marked:
+            self.marked = True
+            mark_warm(self.model, self.mode)
+
+
+class CompiledOrEager:
+    """`fn` compiled (lazily, by torch.compile at the first call), or `fn` itself once compiling failed.
+
+    A call that raises is run again eagerly: if the eager call succeeds, the failure was the compiler's
+    (warned once, and every function of the model runs eagerly from then on); if it raises too, the
+    error is the caller's and is raised as eager code raises it. (The decoder step only overwrites the
+    canvas's cache slots and the encoder's layers write nothing, so running either again is harmless.)
+    """
+
+    def __init__(self, fn, state: CompileState, *, mark: bool = False, **compile_kwargs):
+        self.eager, self.state, self.mark = fn, state, mark
+        self.compiled = torch.compile(fn, **compile_kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.state.failed:
+            return self.eager(*args, **kwargs)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except Exception as error:
+            out = self.eager(*args, **kwargs)  # raises, if the input is at fault
+            self.state.fail(error)
+            return out
+        if self.mark:
+            self.state.succeeded()
+        return out

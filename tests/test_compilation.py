@@ -1,0 +1,90 @@
+"""The compile policy: which commands compile by default, the warm-cache marker, and the fall back to eager
+(with one warning line) where compiling is unavailable or fails."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.commands._common import add_compile_arguments, wants_compile
+from dgemma.config import SamplingConfig
+from dgemma.engine import Engine
+from dgemma.model import compilation
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()
+
+
+def _args(by_default, *flags):
+    p = argparse.ArgumentParser()
+    add_compile_arguments(p, by_default=by_default)
+    return p.parse_args(list(flags))
+
+
+def test_compile_policy_flags_environment_and_warm_cache(model, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DGEMMA_EAGER", raising=False)
+    # serve, chat, bench, sudoku eval: compiled unless --eager (or DGEMMA_EAGER=1)
+    assert wants_compile(_args(True), model) and not wants_compile(_args(True, "--eager"), model)
+    # generate, sudoku solve: with --compile, or once this model's compiled step is in the cache
+    assert not wants_compile(_args("warm"), model) and wants_compile(_args("warm", "--compile"), model)
+    with pytest.raises(SystemExit):
+        _args(True, "--eager", "--compile")
+    assert not compilation.is_warm(model)
+    compilation.mark_warm(model, compilation.default_mode(model.device))
+    assert compilation.is_warm(model) and wants_compile(_args("warm"), model)
+    assert not wants_compile(_args("warm", "--compile-mode", "max-autotune"), model)  # another mode: cold
+    assert not compilation.is_warm(copy.deepcopy(model).to(torch.bfloat16))  # another dtype: cold
+    monkeypatch.setenv("DGEMMA_EAGER", "1")
+    assert not wants_compile(_args(True), model) and not wants_compile(_args("warm"), model)
+    assert wants_compile(_args(True, "--compile"), model)
+    # the mode by device (a CUDA device needs no GPU to be named)
+    assert compilation.default_mode("cpu") == "max-autotune-no-cudagraphs"
+    assert compilation.default_mode("cuda") == "default"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user"))
+    assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    # inductor writes its /tmp default into TORCHINDUCTOR_CACHE_DIR once asked: that is not the user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(compilation, "_USER_CACHE_DIR", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert compilation.cache_dir() == tmp_path / "chosen"
+
+
+def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, monkeypatch, tmp_path, capfd):
+    """No C++ compiler: refused before tracing. A compile that raises (the compiler check passed, the
+    compiler did not): the step runs eagerly from then on. Either way one warning line and the eager
+    tokens; nothing marks the cache warm."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    s = SamplingConfig(max_new_tokens=32, eos_token_ids=(1,), max_denoising_steps=3)
+    prompts = [[5, 6, 7], [9, 8]]
+    eager = [r.tokens for r in Engine(model, max_batch=2).generate(prompts, s, seeds=[3, 4])]
+    torch._dynamo.reset()  # no compiled code of other tests' models
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")})
+    with no_compiler, temporary_cache_dir(str(tmp_path)):  # an empty cache: inductor needs its compiler
+        refused = copy.deepcopy(model).compile_decoder()
+        assert not refused.decoder_compiled
+        assert [r.tokens for r in Engine(refused, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "C++" in err[0], err
+
+        monkeypatch.setattr(compilation, "unavailable_reason", lambda device: None)
+        failing = copy.deepcopy(model).compile_decoder()
+        assert failing.decoder_compiled  # compiles lazily, at the first step
+        assert [r.tokens for r in Engine(failing, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
+        assert not failing.decoder_compiled
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "failed" in err[0], err
+        assert not compilation.is_warm(failing)
+    torch._dynamo.reset()
