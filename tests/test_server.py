@@ -28,6 +28,8 @@ class ServerProcess:
     def __init__(self, model_dir, *args: str, api_key: str | None = API_KEY):
         cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(model_dir), "--port", "0",
                "--served-model-name", MODEL, *args]
+        if "--automaton-cache" not in args:  # tests build their automata, never read a user's cache
+            cmd += ["--automaton-cache", "none"]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DGEMMA_API_KEY": ""}

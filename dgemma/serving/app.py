@@ -216,7 +216,7 @@ def _openapi(app: FastAPI) -> dict:
                                          "`steps`, `entropy_bound`, `t_min`, `t_max`, `fixed_steps`; "
                                          "`stream_options.include_drafts`; a `dgemma` object in every answer. "
                                          "See docs/serving.md.")
-        app.openapi_schema = schema
+        app.openapi_schema = openapi.add_stream_chunks(schema)
     return app.openapi_schema
 
 

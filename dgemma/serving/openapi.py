@@ -195,13 +195,32 @@ class CompletionChunk(BaseModel):
     dgemma: Stats | None = None
 
 
+STREAM_CHUNKS = (ChatCompletionChunk, CompletionChunk)  # put into the schema's components by `add_stream_chunks`
+
+
 def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
-    """200 as JSON, or as server-sent events with `stream: true`; and the errors."""
-    events = {"schema": {"type": "string", "description": f"`data: {{{chunk.__name__}}}` events, then "
-                                                          "`data: [DONE]`"}}
+    """200 as JSON, or as server-sent events with `stream: true`; and the errors. As OpenAPI 3.1 reads an
+    event stream's `schema`: one event ({"data": ...}), whose data is a JSON chunk, an error, or [DONE]."""
+    event = {"type": "object", "required": ["data"], "properties": {"data": {
+        "anyOf": [{"type": "string", "contentMediaType": "application/json",
+                   "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                               {"$ref": "#/components/schemas/ErrorResponse"}]}},
+                  {"const": "[DONE]"}],
+        "description": f"a {chunk.__name__} as JSON; an error object if the engine fails mid-stream; the last "
+                       "event's data is [DONE]"}}}
     return {200: {"model": body, "description": "the answer; with stream: true, server-sent events",
-                  "content": {"text/event-stream": events}},
+                  "content": {"text/event-stream": {"schema": event}}},
             **error_responses(400, 401, 413, 429, 500, 503)}
+
+
+def add_stream_chunks(schema: dict) -> dict:
+    """The chunk models that stream events refer to, added to the schema's components."""
+    from pydantic.json_schema import models_json_schema
+
+    _, defs = models_json_schema([(m, "serialization") for m in STREAM_CHUNKS],
+                                 ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    return schema
 
 
 # -- the rest -------------------------------------------------------------------------------------------

@@ -388,8 +388,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+# What `_fields_of_the_role` checks, for the schema: a tool message names its call; images are in user messages
+# only; tool calls in assistant messages only
+_ROLE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"], "properties": {
+        "tool_call_id": {"type": "string", "minLength": 1}}}},
+    {"if": {"properties": {"role": {"not": {"const": "user"}}}}, "then": {"properties": {"content": {
+        "anyOf": [{"type": "string"}, {"type": "null"},
+                  {"type": "array", "items": {"properties": {"type": {"const": "text"}}}}]}}}},
+    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}}, "then": {"properties": {"tool_calls": {
+        "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
+]}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_ROLE_RULES)
     role: Role = Field(description="\"developer\" is read as \"system\"")
     content: StrictStr | list[ContentPart] | None = Field(
         "", description="a string, or text and image_url parts (images: user messages only, for a model with a "
