@@ -78,8 +78,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # request bodies (/openapi.json): one definition for both. Validators that give friendlier messages run
 # before the typed check; what they accept, the types below accept too.
 
-def _strict(tp, description: str | None = None, **constraints):
-    return Annotated[tp, Field(strict=True, description=description, **constraints)]
+def _strict(tp, **constraints):
+    return Annotated[tp, Field(strict=True, **constraints)]
 
 
 StrictInt = _strict(int)
@@ -87,13 +87,10 @@ StrictBool = _strict(bool)
 StrictStr = _strict(str)
 NonEmptyStr = _strict(str, min_length=1)
 TokenCount = _strict(int, ge=1)
-Steps = _strict(int, "dgemma: most denoising steps per canvas (default: the model's max_denoising_steps)",
-                ge=1, le=MAX_STEPS)
-Seed = _strict(int, "the same seed and request give the same output, whatever else is in the batch (random when "
-                    "absent; choice i of n uses seed + i)", ge=0, le=2**63 - 1)
+Steps = _strict(int, ge=1, le=MAX_STEPS)
+Seed = _strict(int, ge=0, le=2**63 - 1)
 Temperature = _strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
-EntropyBound = _strict(float, "dgemma: per step, accept positions by rising entropy until their sum passes this",
-                       ge=0.0, le=1e6, allow_inf_nan=False)
+EntropyBound = _strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
 # several stop strings, or one; a list only once validated (see `_stop_strings`)
 StopStrings = Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)], Field(
     description=f"up to {MAX_STOP_STRINGS} strings: the answer ends just before the first match")]
@@ -111,8 +108,8 @@ class StructuredOutputs(BaseModel):
     """vLLM's field: the answer matches `regex`. JSON answers come from response_format instead."""
 
     model_config = ConfigDict(extra="forbid")
-    regex: _strict(str, "outlines-core's syntax (the Rust regex crate's), matched against the whole answer",
-                   min_length=1)
+    regex: NonEmptyStr = Field(description="outlines-core's syntax (the Rust regex crate's), matched against the "
+                               "whole answer")
 
 
 class ResponseFormatText(BaseModel):
@@ -158,18 +155,21 @@ class _Generation(BaseModel):
     stream: StrictBool = Field(False, description="server-sent events, one text chunk per committed canvas")
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: StopStrings | None = None
-    seed: Seed | None = None
-    n: _strict(int, "choices: one prompt, seeds seed, seed+1, ...", ge=1, le=MAX_CHOICES) | None = None
+    seed: Seed | None = Field(None, description="the same seed and request give the same output, whatever else is "
+                              "in the batch (random when absent; choice i of n uses seed + i)")
+    n: _strict(int, ge=1, le=MAX_CHOICES) | None = Field(None, description="choices of one prompt, seeded seed, "
+                                                         "seed + 1, ...")
     response_format: ResponseFormat | None = Field(None, description="text (the default), json_object, or "
                                                    "json_schema: the answer is constrained on the canvas")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's field: the answer matches a regex")
     # the diffusion sampler
-    steps: Steps | None = None
-    entropy_bound: EntropyBound | None = None
-    t_min: _strict(float, "dgemma: the temperature at the last step (the schedule falls linearly from t_max; "
-                          "t_min <= t_max)", ge=0.01, le=100.0, allow_inf_nan=False) | None = None
-    t_max: _strict(float, "dgemma: the temperature at the first step", ge=0.01, le=100.0,
-                   allow_inf_nan=False) | None = None
+    steps: Steps | None = Field(None, description="dgemma: most denoising steps per canvas (default: the model's "
+                                "max_denoising_steps)")
+    entropy_bound: EntropyBound | None = Field(None, description="dgemma: per step, accept positions by rising "
+                                               "entropy until their sum passes this")
+    t_min: Temperature | None = Field(None, description="dgemma: the temperature at the last step (the schedule "
+                                      "falls linearly from t_max; t_min <= t_max)")
+    t_max: Temperature | None = Field(None, description="dgemma: the temperature at the first step")
     fixed_steps: StrictBool | None = Field(None, description="dgemma: run exactly `steps` per canvas, no early stop")
 
     @field_validator("stop", mode="before")
@@ -257,12 +257,13 @@ class CompletionRequest(_Generation):
         Annotated[list[TokenIds], Field(min_length=1)] = Field(
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
                         "is prompt i's choice j)")
-    max_tokens: _strict(int, "0: no completion (echo and/or scoring only); absent: as many whole canvases as fit "
-                             "after the prompt, capped by the model's default", ge=0) | None = None
+    max_tokens: _strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
+                                                  "absent: as many whole canvases as fit after the prompt, capped by "
+                                                  "the model's default")
     echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
-    logprobs: _strict(int, "score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities "
-                           "from the causal encoder, with this many alternatives per position",
-                      ge=0, le=MAX_LOGPROBS) | None = None
+    logprobs: _strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "
+                          "the causal encoder, with this many alternatives per position")
     suffix: StrictStr | None = Field(None, description="not supported: a 400")
     best_of: StrictInt | None = Field(None, description="only 1 is supported")
 
@@ -323,8 +324,8 @@ class TextPart(BaseModel):
 
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    url: _strict(str, "a data URL (data:image/png;base64,...), or an http(s) URL of a host the server allows "
-                      "(--allowed-image-domains)", min_length=1)
+    url: NonEmptyStr = Field(description="a data URL (data:image/png;base64,...), or an http(s) URL of a host "
+                             "the server allows (--allowed-image-domains)")
     detail: StrictStr | None = Field(None, description="ignored: the model's processor settings size the image")
 
 
@@ -469,7 +470,8 @@ class ChatCompletionRequest(_Generation):
     """POST /v1/chat/completions: messages through the model's chat template, answered by the diffusion sampler."""
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_tokens: TokenCount | None = None
+    max_tokens: TokenCount | None = Field(None, description="absent: as many whole canvases as fit after the "
+                                          "prompt, capped by the model's default")
     max_completion_tokens: TokenCount | None = Field(None, description="max_tokens' newer name; wins when both are "
                                                      "given")
     logprobs: StrictBool | None = Field(None, description="not available (a 400): a diffusion model's tokens have "
