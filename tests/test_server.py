@@ -414,6 +414,8 @@ def test_openapi_schema_and_docs(server):
             "ErrorResponse"} <= set(components)
     steps = next(s for s in chat["properties"]["steps"]["anyOf"] if s.get("type") == "integer")
     assert (steps["minimum"], steps["maximum"]) == (1, 1000)
+    assert not any("422" in op["responses"] for ops in schema["paths"].values() for op in ops.values())
+    assert "HTTPValidationError" not in components  # bad input is a 400 in OpenAI's shape, never FastAPI's 422
     chat_op = schema["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "401", "413", "429"} <= set(chat_op["responses"])
     assert "text/event-stream" in chat_op["responses"]["200"]["content"]
@@ -422,6 +424,15 @@ def test_openapi_schema_and_docs(server):
     assert page.status_code == 200 and "/swagger-ui/swagger-ui-bundle.js" in page.text and "http" not in page.text
     script = httpx.get(f"{server.url}/swagger-ui/swagger-ui-bundle.js")
     assert script.status_code == 200 and "SwaggerUIBundle" in script.text
+
+
+def test_any_model_id_is_answered_by_the_model_route(server):
+    """Found by fuzzing: an id with a line break matched no route (404) where any other unknown id is a 400."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for model_id in ("%0Aabc", "a%0Ab", "org/name", "%C3%A9%E2%80%A8"):
+        response = httpx.get(f"{server.url}/v1/models/{model_id}", headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "model_not_found", model_id
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}", headers=headers).json()["id"] == MODEL
 
 
 def test_sixteen_stop_strings(client):

@@ -40,6 +40,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from starlette.background import BackgroundTask
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -128,7 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
         """The one served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults."""
         return {"object": "list", "data": [_model_card(state)]}
 
-    @v1.get("/models/{model_id:path}", response_model=None,
+    @v1.get("/models/{model_id:any_text}", response_model=None,
             responses={200: {"model": openapi.ModelCard}, **openapi.error_responses(400, 401)})
     async def model(model_id: str):
         """The served model's card; another id is a 400 (model_not_found)."""
@@ -199,6 +200,22 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+class AnyText(Convertor):
+    """A path parameter that is any text, "/" and line breaks included (Starlette's `path` stops at a line
+    break, so an id holding one found no route: a 404 instead of the model_not_found every other id gets)."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("any_text", AnyText())
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -216,7 +233,7 @@ def _openapi(app: FastAPI) -> dict:
                                          "`steps`, `entropy_bound`, `t_min`, `t_max`, `fixed_steps`; "
                                          "`stream_options.include_drafts`; a `dgemma` object in every answer. "
                                          "See docs/serving.md.")
-        app.openapi_schema = openapi.add_stream_chunks(schema)
+        app.openapi_schema = openapi.without_422(openapi.add_stream_chunks(schema))
     return app.openapi_schema
 
 

@@ -325,3 +325,18 @@ def swagger_ui_folder() -> str:
     import swagger_ui_bundle
 
     return str(swagger_ui_bundle.swagger_ui_path)
+
+
+def without_422(schema: dict) -> dict:
+    """FastAPI documents a 422 on every route that takes input; this server answers a bad body or parameter
+    with a 400 in OpenAI's shape (app.py's handler), already documented where it can happen."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None and "400" not in responses:
+                responses["400"] = {"description": ERRORS[400],
+                                    "content": {"application/json": {"schema": {
+                                        "$ref": "#/components/schemas/ErrorResponse"}}}}
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
