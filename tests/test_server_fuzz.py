@@ -60,8 +60,11 @@ def _prepare(body):
                 body[field] = cap
         if isinstance(body.get("model"), str):
             body["model"] = MODEL
-        for message in body.get("messages") or []:  # JSON schema cannot say "a string holding a JSON object"
-            for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+        # JSON schema cannot say "a string holding a JSON object"
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        for message in messages:
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            for call in calls if isinstance(calls, list) else []:
                 function = call.get("function") if isinstance(call, dict) else None
                 if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                     function["arguments"] = "{}"
