@@ -7,7 +7,7 @@ The server is `dgemma serve` on the tiny model with a vision tower, Gemma's toke
 chat template (tests/conftest.py), so images, tools, structured output and thinking are all in reach.
 Generation is kept short per case (see `_short`): what is fuzzed is the HTTP surface, not the sampler.
 
-Bounded for the suite: DGEMMA_FUZZ_EXAMPLES cases per operation (default 30 for the generation routes, fewer for the others: a few hundred in all, about a
+Bounded for the suite: DGEMMA_FUZZ_EXAMPLES cases per operation (default 40 for the generation routes, fewer for the others: a few hundred in all, about a
 minute). A release check runs more (docs/serving.md):
     DGEMMA_FUZZ_EXAMPLES=1000 DGEMMA_FUZZ_RANDOM=1 python -m pytest -q tests/test_server_fuzz.py
 """
@@ -30,7 +30,7 @@ from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 from dgemma.serving import openapi as documented  # noqa: E402
 from tests.test_server import API_KEY, MODEL, ServerProcess  # noqa: E402
 
-EXAMPLES = int(os.environ.get("DGEMMA_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("DGEMMA_FUZZ_EXAMPLES", "40"))
 RANDOM = bool(os.environ.get("DGEMMA_FUZZ_RANDOM"))  # new cases each run (release checks); the suite's are fixed
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # generation bounds per case, each within the schema's ranges (so a valid body stays valid)
