@@ -5,10 +5,11 @@ schema refuses must be refused (4xx).
 
 The server is `dgemma serve` on the tiny model with a vision tower, Gemma's tokenizer shape and Gemma 4's
 chat template (tests/conftest.py), so images, tools, structured output and thinking are all in reach.
-Generation is kept short per case (see `_short`): what is fuzzed is the HTTP surface, not the sampler.
+Generation is kept short per case (see `_prepare`): what is fuzzed is the HTTP surface, not the sampler.
 
-Bounded for the suite: DGEMMA_FUZZ_EXAMPLES cases per operation (default 40 for the generation routes, fewer for the others: a few hundred in all, about a
-minute). A release check runs more (docs/serving.md):
+Bounded for the suite: DGEMMA_FUZZ_EXAMPLES cases per generation route and mode (default 40; fewer for the
+other routes: about 220 in all, a minute), the same cases each run. A release check runs more, new ones
+each time (docs/serving.md):
     DGEMMA_FUZZ_EXAMPLES=1000 DGEMMA_FUZZ_RANDOM=1 python -m pytest -q tests/test_server_fuzz.py
 """
 
