@@ -91,11 +91,13 @@ def png_url(seed: int) -> str:
 class Server:
     """`dgemma serve` on 127.0.0.1 with a free port; its RSS sampled every second."""
 
-    def __init__(self, model: Path, args: list[str]):
+    def __init__(self, model: Path, args: list[str], log: Path):
         cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(model), "--port", "0", "--served-model-name",
                MODEL, "--api-key", API_KEY, "--automaton-cache", "none", *args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.log = log
+        self.proc = subprocess.Popen(cmd + ["--log-level", "info"], stdout=subprocess.PIPE, stderr=open(log, "w"),
+                                     text=True, env=env)
         line = self.proc.stdout.readline()
         if " on http://" not in line:
             self.proc.kill()
@@ -296,11 +298,13 @@ def main():
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "soak.png")
+    parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log",
+                        help="the server's stderr (its tracebacks are printed at the end)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_model(Path(tmp))
-        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64"])
+        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64"], args.server_log)
         try:
             tally = Tally()
             start = time.monotonic()
@@ -331,6 +335,10 @@ def main():
     print(f"requests served {sum(tally.served.values())} in {wall / 60:.1f} min; errors {dict(tally.errors) or 'none'}")
     print(f"server RSS MiB: start {rss[0]:.0f}, after 1 min {warm[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}; "
           f"idle at the end: active {health['active']}, waiting {health['waiting']}")
+    lines = args.server_log.read_text(errors="replace").splitlines()
+    problems = [i for i, line in enumerate(lines) if "Traceback" in line or " 500 " in line or "ERROR" in line]
+    for i in problems[:5]:
+        print("server log:", "\n  ".join(lines[i:i + 25]))
     plot(server, tally, args.plot, args.minutes, args.clients)
     print(f"plot: {args.plot}")
     summary = {
