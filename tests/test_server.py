@@ -28,6 +28,8 @@ class ServerProcess:
     def __init__(self, model_dir, *args: str, api_key: str | None = API_KEY):
         cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(model_dir), "--port", "0",
                "--served-model-name", MODEL, *args]
+        if "--automaton-cache" not in args:  # tests build their automata, never read a user's cache
+            cmd += ["--automaton-cache", "none"]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DGEMMA_API_KEY": ""}
@@ -311,6 +313,7 @@ BAD_BODIES = [
     ({"stream": True, "stream_options": {"include_drafts": "please"}}, "stream_options.include_drafts"),
     ({"stream_options": {"include_drafts": True}}, "only allowed with stream: true"),
     ({"stop": [1, 2]}, "stop: expected a non-empty string"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop: at most 16 stop strings"),
     ({"n": 0}, "n: Input should be greater than or equal to 1"),
     ({"n": 17}, "n: Input should be less than or equal to 16"),
     ({"n": 2.0}, "n: Input should be a valid integer"),
@@ -387,6 +390,56 @@ def test_api_key(server):
     assert httpx.get(f"{server.url}/health").status_code == 200  # health and the page need no key
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200 and "dgemma playground" in page.text
+
+
+def test_openapi_schema_and_docs(server):
+    """/openapi.json is generated from the models that validate the bodies, describes dgemma's fields, and
+    needs the API key like /v1; /docs is Swagger UI served from here (no CDN), a page that asks for the key."""
+    from dgemma.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 401
+    schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert schema["openapi"].startswith("3.") and schema["components"]["securitySchemes"]["HTTPBearer"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+            "/health"} <= set(schema["paths"])
+    components = schema["components"]["schemas"]
+    chat, completion = components["ChatCompletionRequest"], components["CompletionRequest"]
+    assert set(chat["properties"]) == set(ChatCompletionRequest.model_fields)  # the validating model, whole
+    assert set(completion["properties"]) == set(CompletionRequest.model_fields)
+    for field in ("steps", "entropy_bound", "t_min", "t_max", "seed", "fixed_steps", "response_format", "tools",
+                  "chat_template_kwargs", "stream_options"):
+        assert chat["properties"][field].get("description"), field
+    assert components["StreamOptions"]["properties"]["include_drafts"]["description"].startswith("dgemma")
+    assert {"TextPart", "ImagePart", "ResponseFormatJSONSchema", "Tool", "ChatCompletionChunk",
+            "ErrorResponse"} <= set(components)
+    steps = next(s for s in chat["properties"]["steps"]["anyOf"] if s.get("type") == "integer")
+    assert (steps["minimum"], steps["maximum"]) == (1, 1000)
+    assert not any("422" in op["responses"] for ops in schema["paths"].values() for op in ops.values())
+    assert "HTTPValidationError" not in components  # bad input is a 400 in OpenAI's shape, never FastAPI's 422
+    chat_op = schema["paths"]["/v1/chat/completions"]["post"]
+    assert {"200", "400", "401", "413", "429"} <= set(chat_op["responses"])
+    assert "text/event-stream" in chat_op["responses"]["200"]["content"]
+
+    page = httpx.get(f"{server.url}/docs")  # a page without content of its own; the schema needs the key
+    assert page.status_code == 200 and "/swagger-ui/swagger-ui-bundle.js" in page.text and "http" not in page.text
+    script = httpx.get(f"{server.url}/swagger-ui/swagger-ui-bundle.js")
+    assert script.status_code == 200 and "SwaggerUIBundle" in script.text
+
+
+def test_any_model_id_is_answered_by_the_model_route(server):
+    """Found by fuzzing: an id with a line break matched no route (404) where any other unknown id is a 400."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for model_id in ("%0Aabc", "a%0Ab", "org/name", "%C3%A9%E2%80%A8"):
+        response = httpx.get(f"{server.url}/v1/models/{model_id}", headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "model_not_found", model_id
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}", headers=headers).json()["id"] == MODEL
+
+
+def test_sixteen_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt="hello", max_tokens=32, seed=8).choices[0].text
+    stop = [f"never{i}" for i in range(15)] + [" " + full.split()[3]]
+    cut = client.completions.create(model=MODEL, prompt="hello", max_tokens=32, seed=8, stop=stop)
+    assert cut.choices[0].text == full[: full.index(stop[-1])] and cut.choices[0].finish_reason == "stop"
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server):

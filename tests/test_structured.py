@@ -297,3 +297,72 @@ def test_without_eos_ids_the_answer_fills_the_budget_and_ends_accepted():
         choice = constrained_canvas(automaton, probs, automaton.initial, budget=5, eos_token_ids=(), pad_token_id=PAD)
         assert not choice.cut and choice.state != ENDED and automaton.is_final(choice.state)
         assert automaton.walk(choice.tokens.tolist()) == choice.state
+
+
+def _fresh_memory():
+    """Forget the in-process automata, so the next call reads the disk or builds."""
+    from dgemma.structured import automaton as module
+
+    with module._cache_lock:
+        module._cache.clear()
+
+
+def test_disk_cache_gives_back_the_same_automaton(gemma_tokenizer_model_dir, tmp_path, monkeypatch):
+    """A second start reads the built automaton from --automaton-cache instead of building it; a file that is
+    not the automaton's (cut short, or written for another regex) is built again and overwritten."""
+    from dgemma.structured import automaton as module
+    from dgemma.structured import set_disk_cache
+
+    vocab = TokenVocabulary.from_tokenizer(Tokenizer.from_folder(gemma_tokenizer_model_dir))
+    built = []
+    build = module._build
+    monkeypatch.setattr(module, "_build", lambda *a: built.append(a[0]) or build(*a))
+    set_disk_cache(tmp_path)
+    try:
+        _fresh_memory()
+        first = json_object_constraint(vocab)
+        (path,) = tmp_path.glob("*.pt")
+        _fresh_memory()
+        again = json_object_constraint(vocab)
+        assert len(built) == 1 and again is not first  # read from disk, not built
+        for name in ("final", "distance", "token_class", "edge_src", "edge_class", "edge_dst", "class_order",
+                     "class_offsets"):
+            assert torch.equal(getattr(first, name), getattr(again, name)), name
+        assert (again.initial, again._next, again.description) == (first.initial, first._next, first.description)
+        path.write_bytes(path.read_bytes()[:100])  # cut short: built again
+        _fresh_memory()
+        assert torch.equal(json_object_constraint(vocab).edge_dst, first.edge_dst) and len(built) == 2
+        other = regex_constraint("a+", vocab)
+        assert len(list(tmp_path.glob("*.pt"))) == 2 and other.regex == "a+"
+    finally:
+        set_disk_cache(None)
+        _fresh_memory()
+
+
+def test_concurrent_requests_for_one_automaton_share_one_build(gemma_tokenizer_model_dir, monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dgemma.structured import automaton as module
+
+    vocab = TokenVocabulary.from_tokenizer(Tokenizer.from_folder(gemma_tokenizer_model_dir))
+    started, release, built = threading.Event(), threading.Event(), []
+    build = module._build
+
+    def slow_build(*args):
+        built.append(args[0])
+        started.set()
+        release.wait(30)
+        return build(*args)
+
+    monkeypatch.setattr(module, "_build", slow_build)
+    _fresh_memory()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(regex_constraint, "(ab|ba){1,3}c", vocab) for _ in range(4)]
+        started.wait(30)
+        release.set()
+        results = [f.result(30) for f in futures]
+    assert len(built) == 1 and all(r is results[0] for r in results)
+    with pytest.raises(Exception, match="cannot build"):  # a failed build fails every waiter, and is not kept
+        regex_constraint("(unclosed", vocab)
+    assert not module._building

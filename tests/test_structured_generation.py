@@ -162,3 +162,29 @@ def test_server_refuses_unsupported_schemas_naming_the_keyword(gemma_server):
         response = gemma_server.post("/v1/chat/completions", {"messages": messages, "response_format": bad})
         assert response.status_code == 400 and "response_format" in response.json()["error"]["message"]
     assert gemma_server.health()["status"] == "ok"
+
+
+def test_server_prebuilds_json_object_into_its_disk_cache(gemma_tokenizer_model_dir, tmp_path):
+    """--prebuild-json-object builds json_object's automaton at start into --automaton-cache; a second server
+    reads it from there and answers json_object at once."""
+    import time
+
+    cache = tmp_path / "automata"
+    first = ServerProcess(gemma_tokenizer_model_dir, "--prebuild-json-object", "--automaton-cache", str(cache))
+    try:
+        deadline = time.monotonic() + 60
+        while not list(cache.glob("*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(list(cache.glob("*.pt"))) == 1
+    finally:
+        first.stop()
+    written = next(cache.glob("*.pt")).stat().st_mtime_ns
+    second = ServerProcess(gemma_tokenizer_model_dir, "--automaton-cache", str(cache))
+    try:
+        out = second.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "JSON please"}], seed=3, max_tokens=64,
+            response_format={"type": "json_object"})
+        assert out.choices[0].finish_reason != "stop" or isinstance(json.loads(out.choices[0].message.content), dict)
+        assert [p.stat().st_mtime_ns for p in cache.glob("*.pt")] == [written]  # read, not built again
+    finally:
+        second.stop_cleanly()

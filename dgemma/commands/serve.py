@@ -32,6 +32,12 @@ def add_arguments(p):
     p.add_argument("--allowed-image-domains", default="", metavar="HOST,HOST",
                    help="hosts whose http(s) image URLs the server may fetch for a client (exact names, comma "
                         "separated; default none: images come as data URLs)")
+    p.add_argument("--automaton-cache", default=_default_automaton_cache(), metavar="DIR",
+                   help="keep the token automata of JSON schemas, regexes and tool calls here, so a restarted server "
+                        "does not build them again ('none': memory only; default %(default)s)")
+    p.add_argument("--prebuild-json-object", action="store_true",
+                   help="build response_format json_object's automaton when the server starts, in the background "
+                        "(minutes at Gemma's vocabulary; read from --automaton-cache when it is there)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level ('info' logs every request)")
 
@@ -61,6 +67,9 @@ def run(args):
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
     images = _image_reader(args, folder, model) if task == "text" else None
+    from dgemma.structured import set_disk_cache
+
+    set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
     worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
     if model.decoder_compiled:
         print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
@@ -91,10 +100,36 @@ def run(args):
           f"queue {args.max_queue}) "
           f"on http://{host}:{port}", flush=True)
 
+    if args.prebuild_json_object and codec.task == "text":
+        _prebuild_json_object(codec)
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _default_automaton_cache() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma" / "automata")
+
+
+def _prebuild_json_object(codec):
+    """json_object's automaton, built on a thread of its own; a request that needs it meanwhile waits for this
+    build rather than starting another."""
+    import threading
+
+    def build():
+        import time
+
+        start = time.perf_counter()
+        try:
+            codec.constraint("json_object")
+        except Exception as e:  # the server still serves everything else
+            print(f"dgemma serve: json_object automaton not built: {e}", file=sys.stderr, flush=True)
+            return
+        print(f"dgemma serve: json_object automaton ready ({time.perf_counter() - start:.1f} s)", file=sys.stderr,
+              flush=True)
+
+    threading.Thread(target=build, name="prebuild-json-object", daemon=True).start()
 
 
 def _image_reader(args, folder: Path, model):

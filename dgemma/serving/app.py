@@ -3,6 +3,9 @@
 Routes
   GET  /                      the playground (static files in ./static, no network needed)
   GET  /health                {"status": "ok", "active", "waiting", ...}; no API key needed
+  GET  /openapi.json          the API's schema: request bodies are the models that validate them (protocol.py),
+                              responses are described in openapi.py; the API key applies
+  GET  /docs                  Swagger UI over /openapi.json (served from here, no CDN)
   GET  /v1/models             the one served model, with a `dgemma` field (task, canvas, defaults)
   POST /v1/completions        prompt(s) -> text; stream: true for server-sent events; with `logprobs`
                               (max_tokens 0 or 1) the prompts are scored instead (engine/scoring.py)
@@ -29,16 +32,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from starlette.background import BackgroundTask
+from starlette.convertors import Convertor, register_url_convertor
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.config import ConfigError, SamplingConfig
 from dgemma.serving.chat_output import ChatOutput
 from dgemma.serving.codec import Codec, PromptError, TextAssembler
+from dgemma.serving import openapi
 from dgemma.serving.image_urls import ImageReader
 from dgemma.serving.protocol import (
     APIError,
@@ -49,8 +58,8 @@ from dgemma.serving.protocol import (
     TokenizeRequest,
     bad_request,
     error_body,
-    parse,
     usage,
+    validation_error,
 )
 from dgemma.serving.scores import scored_choice
 from dgemma.serving.tool_schema import calls_constraint
@@ -81,37 +90,56 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.worker.stop()
 
-    # no /docs: the Swagger page loads its scripts from a CDN, and the server works offline
-    app = FastAPI(title="dgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs are routes of their own below: they follow the API key, and /docs is served
+    # without a CDN
+    app = FastAPI(title="dgemma", summary="OpenAI-compatible serving of DiffusionGemma, a block-diffusion model",
+                  version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dgemma = state
     _add_error_handlers(app)
+    key = Depends(_api_key_check(state))
 
     @app.get("/", include_in_schema=False)
     async def playground():
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/swagger-ui", StaticFiles(directory=openapi.swagger_ui_folder()), name="swagger-ui")
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": openapi.Health},
+                                                        503: {"model": openapi.Health, "description": "stopped"}})
     async def health():
+        """Whether the engine runs, and its load. No API key needed."""
         ok = state.worker.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": state.model_name,
                              **state.worker.load()}, status_code=200 if ok else 503)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(state))])
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[key])
+    async def openapi_schema():
+        return JSONResponse(_openapi(app))
 
-    @v1.get("/models")
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return HTMLResponse(openapi.DOCS_PAGE, headers={"Cache-Control": "no-cache"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[key], route_class=JSONBodyRoute)
+
+    @v1.get("/models", response_model=None, responses={200: {"model": openapi.ModelList},
+                                                       **openapi.error_responses(401)})
     async def models():
+        """The one served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults."""
         return {"object": "list", "data": [_model_card(state)]}
 
-    @v1.get("/models/{model_id:path}")
+    @v1.get("/models/{model_id:any_text}", response_model=None,
+            responses={200: {"model": openapi.ModelCard}, **openapi.error_responses(400, 401)})
     async def model(model_id: str):
+        """The served model's card; another id is a 400 (model_not_found)."""
         _check_model(state, model_id)
         return _model_card(state)
 
-    @v1.post("/completions")
-    async def completions(request: Request):
-        body = parse(CompletionRequest, await _read_json(request, state.max_body_bytes))
+    @v1.post("/completions", response_model=None,
+             responses=openapi.generation_responses(openapi.Completion, openapi.CompletionChunk))
+    async def completions(body: CompletionRequest, request: Request):
+        """Prompts continued by the diffusion sampler, or scored (`logprobs` with max_tokens 0 or 1)."""
         _check_model(state, body.model)
         prompts = [_encode(state.codec.encode_text if isinstance(p, str) else state.codec.check_ids, p)
                    for p in body.prompt]
@@ -124,9 +152,10 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(state, request, body, prompts, body.max_tokens, chat=False,
                                echoes=echoes if body.echo else None)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse(ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
+    @v1.post("/chat/completions", response_model=None,
+             responses=openapi.generation_responses(openapi.ChatCompletion, openapi.ChatCompletionChunk))
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """Messages through the model's chat template (images, tools, thinking), answered by the sampler."""
         _check_model(state, body.model)
         template_kwargs = body.template_kwargs()
         images = await _images(state, body)
@@ -138,25 +167,29 @@ def create_app(state: ServerState) -> FastAPI:
                                parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
 
     # the tokenizer, as vLLM serves it: lm-eval's local-completions finds these and counts with them
-    tokenizer = APIRouter(dependencies=[Depends(_api_key_check(state))])
+    tokenizer = APIRouter(dependencies=[key], route_class=JSONBodyRoute)
 
-    @tokenizer.get("/tokenizer_info")
+    @tokenizer.get("/tokenizer_info", response_model=None,
+                   responses={200: {"model": openapi.TokenizerInfo}, **openapi.error_responses(401)})
     async def tokenizer_info():
+        """The tokenizer's special tokens and chat template (text models; 404 otherwise)."""
         tok = _text_tokenizer(state)
         return {"tokenizer_class": "dgemma", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
                 "pad_token": tok.backend.id_to_token(state.sampling.pad_token_id), "chat_template": tok.chat_template,
                 "model_max_length": state.worker.max_length}
 
-    @tokenizer.post("/tokenize")
-    async def tokenize(request: Request):
-        body = parse(TokenizeRequest, await _read_json(request, state.max_body_bytes))
+    @tokenizer.post("/tokenize", response_model=None,
+                    responses={200: {"model": openapi.Tokens}, **openapi.error_responses(400, 401, 413)})
+    async def tokenize(body: TokenizeRequest):
+        """Text to token ids, as vLLM's route."""
         _check_model(state, body.model)
         tokens = _text_tokenizer(state).encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": state.worker.max_length, "tokens": tokens, "token_strs": None}
 
-    @tokenizer.post("/detokenize")
-    async def detokenize(request: Request):
-        body = parse(DetokenizeRequest, await _read_json(request, state.max_body_bytes))
+    @tokenizer.post("/detokenize", response_model=None,
+                    responses={200: {"model": openapi.Detokenized}, **openapi.error_responses(400, 401, 413)})
+    async def detokenize(body: DetokenizeRequest):
+        """Token ids to text, special tokens written out."""
         _check_model(state, body.model)
         tok = _text_tokenizer(state)
         ids = _encode(state.codec.check_ids, body.tokens) if body.tokens else []
@@ -165,6 +198,93 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(v1)
     app.include_router(tokenizer)
     return app
+
+
+class AnyText(Convertor):
+    """A path parameter that is any text, "/" and line breaks included (Starlette's `path` stops at a line
+    break, so an id holding one found no route: a 404 instead of the model_not_found every other id gets)."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("any_text", AnyText())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dgemma")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The schema, built once: request bodies from protocol.py's models, responses from openapi.py's."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
+                             description="dgemma's extensions ride in the OpenAI bodies: the diffusion sampler's "
+                                         "`steps`, `entropy_bound`, `t_min`, `t_max`, `fixed_steps`; "
+                                         "`stream_options.include_drafts`; a `dgemma` object in every answer. "
+                                         "See docs/serving.md.")
+        app.openapi_schema = openapi.without_422(openapi.add_stream_chunks(schema))
+    return app.openapi_schema
+
+
+class JSONBodyRequest(Request):
+    """A request whose body is read at most --max-body-bytes far (413 past that, declared or counted while
+    reading a chunked body) and parsed as JSON whatever its Content-Type says (curl -d calls it a form),
+    NaN and Infinity refused; FastAPI then validates it with the route's model."""
+
+    @property
+    def headers(self) -> Headers:
+        if not hasattr(self, "_json_headers"):
+            raw = [(k, v) for k, v in self.scope["headers"] if k != b"content-type"]
+            self._json_headers = Headers(raw=[*raw, (b"content-type", b"application/json")])
+        return self._json_headers
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = self.app.state.dgemma.max_body_bytes
+            too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            declared = super().headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise too_large
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            raw = await self.body()
+            if not raw.strip():
+                raise bad_request("the request body is empty; expected a JSON object")
+            try:
+                self._json = json.loads(raw, parse_constant=_no_constants)
+            except (ValueError, RecursionError) as e:
+                raise bad_request(f"malformed JSON: {e}") from None
+        return self._json
+
+
+class JSONBodyRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def with_json_body(request: Request):
+            return await handler(JSONBodyRequest(request.scope, request.receive))
+
+        return with_json_body
 
 
 def _text_tokenizer(state: ServerState):
@@ -176,7 +296,9 @@ def _text_tokenizer(state: ServerState):
 # -- checks -------------------------------------------------------------------------------------------
 
 def _api_key_check(state: ServerState):
-    def check(request: Request):
+    bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
+
+    def check(request: Request, credentials=Security(bearer)):  # read below from the header; here for the schema
         if state.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -193,27 +315,6 @@ def _check_model(state: ServerState, name: str | None):
     if name is not None and name != state.model_name:
         raise bad_request(f"model {name!r} does not exist; this server serves {state.model_name!r}",
                           param="model", code="model_not_found")
-
-
-async def _read_json(request: Request, limit: int):
-    """The body as JSON, read at most `limit` bytes far: bigger bodies are refused (413) unread."""
-    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():  # also catches chunked bodies, which declare no length
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the request body is empty; expected a JSON object")
-    try:
-        return json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"malformed JSON: {e}") from None
 
 
 def _no_constants(name: str):
@@ -586,9 +687,9 @@ def _add_error_handlers(app: FastAPI):
                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {"msg": "invalid request"}
-        return JSONResponse(error_body(str(first.get("msg"))), status_code=400)
+    async def invalid_body(request, error: RequestValidationError):  # 400 as OpenAI answers, not FastAPI's 422
+        error = validation_error(list(error.errors()))
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):

@@ -35,25 +35,30 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.serving.tool_calls import openai_tool_call
 
 MAX_STEPS = 1000
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI caps them
 NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole canvas at once, chosen over many "
                "denoising steps, so its tokens have no left-to-right probabilities to report")
 
 
-class APIError(Exception):
-    """Becomes an OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+class APIError(StarletteHTTPException):
+    """Becomes an OpenAI error body: {"error": {"message", "type", "param", "code"}}. An HTTPException, so that
+    FastAPI lets it through unchanged from anywhere, reading the body included."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(status_code=status, detail=message, headers=headers or {})
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -69,6 +74,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 # -- request bodies ------------------------------------------------------------------------------------
+# The models below validate the bodies (FastAPI hands each route its model) and are the OpenAPI schema's
+# request bodies (/openapi.json): one definition for both. Validators that give friendlier messages run
+# before the typed check; what they accept, the types below accept too.
 
 def _strict(tp, **constraints):
     return Annotated[tp, Field(strict=True, **constraints)]
@@ -77,45 +85,92 @@ def _strict(tp, **constraints):
 StrictInt = _strict(int)
 StrictBool = _strict(bool)
 StrictStr = _strict(str)
+NonEmptyStr = _strict(str, min_length=1)
 TokenCount = _strict(int, ge=1)
 Steps = _strict(int, ge=1, le=MAX_STEPS)
 Seed = _strict(int, ge=0, le=2**63 - 1)
 Temperature = _strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
 EntropyBound = _strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
+# several stop strings, or one; a list only once validated (see `_stop_strings`)
+StopStrings = Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)], Field(
+    description=f"up to {MAX_STOP_STRINGS} strings: the answer ends just before the first match")]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-    include_drafts: StrictBool = False  # dgemma: draft chunks while a canvas denoises
+    include_usage: StrictBool = Field(False, description="a last chunk with `usage` and no choices")
+    include_drafts: StrictBool = Field(False, description="dgemma: after every denoising step, a chunk whose choice "
+                                       "carries `dgemma_draft` (the canvas's argmax tokens, their pieces, entropies "
+                                       "and which positions were accepted)")
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's field: the answer matches `regex`. JSON answers come from response_format instead."""
 
     model_config = ConfigDict(extra="forbid")
-    regex: _strict(str, min_length=1)
+    regex: NonEmptyStr = Field(description="outlines-core's syntax (the Rust regex crate's), matched against the "
+                               "whole answer")
+
+
+class ResponseFormatText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(BaseModel):
+    """The answer is a JSON object (any keys; values nest up to three levels)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON schema within the supported subset "
+                                    "(docs/serving.md); any other keyword is a 400 naming it")
+    strict: StrictBool | None = Field(None, description="accepted; the schema is enforced either way")
+
+
+class ResponseFormatJSONSchema(BaseModel):
+    """The answer is a JSON document valid under `json_schema.schema`, by construction."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           Field(discriminator="type")]
 
 
 class _Generation(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. OpenAI fields a diffusion sampler has no
+    use for (temperature, top_p, penalties, user, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: Seed | None = None
-    n: _strict(int, ge=1, le=MAX_CHOICES) | None = None  # choices: one prompt, seeds seed, seed+1, ...
-    response_format: dict | None = None
-    structured_outputs: StructuredOutputs | None = None
+    model: StrictStr | None = Field(None, description="optional; if given, the served model's id")
+    stream: StrictBool = Field(False, description="server-sent events, one text chunk per committed canvas")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stop: StopStrings | None = None
+    seed: Seed | None = Field(None, description="the same seed and request give the same output, whatever else is "
+                              "in the batch (random when absent; choice i of n uses seed + i)")
+    n: _strict(int, ge=1, le=MAX_CHOICES) | None = Field(None, description="choices of one prompt, seeded seed, "
+                                                         "seed + 1, ...")
+    response_format: ResponseFormat | None = Field(None, description="text (the default), json_object, or "
+                                                   "json_schema: the answer is constrained on the canvas")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's field: the answer matches a regex")
     # the diffusion sampler
-    steps: Steps | None = None
-    entropy_bound: EntropyBound | None = None
-    t_min: Temperature | None = None
-    t_max: Temperature | None = None
-    fixed_steps: StrictBool | None = None
+    steps: Steps | None = Field(None, description="dgemma: most denoising steps per canvas (default: the model's "
+                                "max_denoising_steps)")
+    entropy_bound: EntropyBound | None = Field(None, description="dgemma: per step, accept positions by rising "
+                                               "entropy until their sum passes this")
+    t_min: Temperature | None = Field(None, description="dgemma: the temperature at the last step (the schedule "
+                                      "falls linearly from t_max; t_min <= t_max)")
+    t_max: Temperature | None = Field(None, description="dgemma: the temperature at the first step")
+    fixed_steps: StrictBool | None = Field(None, description="dgemma: run exactly `steps` per canvas, no early stop")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -129,11 +184,14 @@ class _Generation(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return values
 
-    @field_validator("response_format", mode="after")
+    @field_validator("response_format", mode="before")
     @classmethod
     def _response_format(cls, value):
+        """The shape, checked with messages that show it; the typed check follows."""
         if value is None:
             return None
+        if not isinstance(value, dict):
+            raise ValueError("expected an object such as {\"type\": \"json_object\"}")
         kind = value.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
@@ -142,9 +200,18 @@ class _Generation(BaseModel):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("json_schema must be an object with a \"schema\" object: "
                                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
-            if "strict" in spec and not isinstance(spec["strict"], bool):
+            if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
                 raise ValueError("json_schema.strict must be true or false")
         return value
+
+    @model_validator(mode="after")
+    def _supported(self):
+        """Fields valid alone that this server cannot honour (together, or at all): a 400 naming the field."""
+        problem = self.unsupported()
+        if problem:
+            raise PydanticCustomError("unsupported_field", "{field}: {reason}", {"field": problem[0],
+                                                                              "reason": problem[1]})
+        return self
 
     @property
     def structured(self) -> tuple[str, dict | str | None] | None:
@@ -153,14 +220,14 @@ class _Generation(BaseModel):
         is always valid."""
         if self.structured_outputs is not None:
             return "regex", self.structured_outputs.regex
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_schema":
-            return kind, self.response_format["json_schema"]["schema"]
-        return (kind, None) if kind == "json_object" else None
+        if isinstance(self.response_format, ResponseFormatJSONSchema):
+            return "json_schema", self.response_format.json_schema.schema_
+        return ("json_object", None) if isinstance(self.response_format, ResponseFormatJSONObject) else None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a field set to something this server cannot do, else None."""
-        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+        if self.structured_outputs is not None and self.response_format is not None and \
+                not isinstance(self.response_format, ResponseFormatText):
             return "structured_outputs", "a regex and a response_format cannot both shape the answer"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
@@ -179,13 +246,26 @@ class _Generation(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
 class CompletionRequest(_Generation):
-    prompt: Any  # str | [str] | [int] | [[int]]: one or several prompts, made a list by the validator below
-    max_tokens: _strict(int, ge=0) | None = None  # 0: no completion (echo and/or scoring only)
-    echo: StrictBool = False
-    logprobs: _strict(int, ge=0, le=MAX_LOGPROBS) | None = None
-    suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    """POST /v1/completions: prompts continued by the diffusion sampler, or scored (`logprobs`)."""
+
+    # always a list of prompts once validated (`_prompts`)
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)] = Field(
+            description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
+                        "is prompt i's choice j)")
+    max_tokens: _strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
+                                                  "absent: as many whole canvases as fit after the prompt, capped by "
+                                                  "the model's default")
+    echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
+    logprobs: _strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "
+                          "the causal encoder, with this many alternatives per position")
+    suffix: StrictStr | None = Field(None, description="not supported: a 400")
+    best_of: StrictInt | None = Field(None, description="only 1 is supported")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -236,45 +316,66 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 FunctionName = _strict(str, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: NonEmptyStr = Field(description="a data URL (data:image/png;base64,...), or an http(s) URL of a host "
+                             "the server allows (--allowed-image-domains)")
+    detail: StrictStr | None = Field(None, description="ignored: the model's processor settings size the image")
+
+
+class ImagePart(BaseModel):
+    """An image, for a model with a vision tower (user messages only)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL | NonEmptyStr = Field(description="{\"url\": URL}, or the URL alone")
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 def _content_parts(value):
-    """A string, or a list of parts: {"type": "text", "text": ...} and {"type": "image_url", "image_url":
-    {"url": ...}} (or the URL as a plain string, as some clients send it). Text alone is joined into one
-    string; with images, a list of {"type": "text", "text"} and {"type": "image_url", "url"}. Null is ""."""
+    """The shape of a content list, checked with messages that show it (the typed check follows)."""
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
         raise ValueError("expected a string or a list of content parts")
-    parts = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise ValueError('a text part is {"type": "text", "text": STRING}')
-            parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str) or not url:
                 raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": URL}}')
-            parts.append({"type": "image_url", "url": url})
         else:
             raise ValueError(f"only text and image_url content parts are supported, got {kind!r}")
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
+    return value
 
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: StrictStr
-    arguments: StrictStr  # a JSON object, as OpenAI sends it
+    arguments: StrictStr = Field(description="a JSON object, in a string (as OpenAI sends it)")
 
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value):
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("expected a JSON object in a string") from None
         if not isinstance(parsed, dict):
             raise ValueError("expected a JSON object in a string")
@@ -288,19 +389,45 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+# What `_fields_of_the_role` checks, for the schema: a tool message names its call; images are in user messages
+# only; tool calls in assistant messages only
+_ROLE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"], "properties": {
+        "tool_call_id": {"type": "string", "minLength": 1}}}},
+    {"if": {"properties": {"role": {"not": {"const": "user"}}}}, "then": {"properties": {"content": {
+        "anyOf": [{"type": "string"}, {"type": "null"},
+                  {"type": "array", "items": {"properties": {"type": {"const": "text"}}}}]}}}},
+    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}}, "then": {"properties": {"tool_calls": {
+        "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
+]}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Role
-    content: str | list[dict[str, str]] = ""  # a list only when it holds images (`_content_parts`)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_ROLE_RULES)
+    role: Role = Field(description="\"developer\" is read as \"system\"")
+    content: StrictStr | list[ContentPart] | None = Field(
+        "", description="a string, or text and image_url parts (images: user messages only, for a model with a "
+                        "vision tower); null is empty")
     name: StrictStr | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant: calls it made
-    tool_call_id: StrictStr | None = None  # tool: the call this message answers
-    reasoning_content: StrictStr | None = None  # assistant: its thoughts, for templates that keep them
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: calls it made")
+    tool_call_id: StrictStr | None = Field(None, description="tool: the call this message answers (required)")
+    reasoning_content: StrictStr | None = Field(None, description="assistant: its thoughts, for templates that "
+                                                "keep them")
 
     @field_validator("content", mode="before")
     @classmethod
     def _parts(cls, value):
         return _content_parts(value)
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_alone(cls, value):
+        """Text parts alone are one string; null is ""; with images, the list of parts."""
+        if value is None:
+            return ""
+        if isinstance(value, list) and all(isinstance(p, TextPart) for p in value):
+            return "".join(p.text for p in value)
+        return value
 
     @model_validator(mode="after")
     def _fields_of_the_role(self):
@@ -317,7 +444,8 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: FunctionName
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object (within the "
+                                              "structured-output subset when tool_choice constrains the answer)")
     strict: StrictBool | None = None
 
 
@@ -339,16 +467,27 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_Generation):
-    messages: list[ChatMessage]
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}, as vLLM
+    """POST /v1/chat/completions: messages through the model's chat template, answered by the diffusion sampler."""
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: TokenCount | None = Field(None, description="absent: as many whole canvases as fit after the "
+                                          "prompt, capped by the model's default")
+    max_completion_tokens: TokenCount | None = Field(None, description="max_tokens' newer name; wins when both are "
+                                                     "given")
+    logprobs: StrictBool | None = Field(None, description="not available (a 400): a diffusion model's tokens have "
+                                        "no left-to-right probabilities")
+    top_logprobs: StrictInt | None = Field(None, description="not available (a 400)")
+    tools: list[Tool] | None = Field(None, description="functions the model may call, declared to it by the chat "
+                                     "template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (the default with tools): calls are parsed from the answer; required or a named "
+                          "function: the answer is constrained to calls with valid arguments; none: nothing is parsed")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: exactly one call when required")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="\"none\" turns thinking off, any other value on (chat_template_kwargs.enable_thinking "
+                          "wins)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template, as vLLM: "
+                                                        "e.g. {\"enable_thinking\": true}")
 
     @field_validator("messages")
     @classmethod
@@ -394,7 +533,7 @@ class ChatCompletionRequest(_Generation):
         messages = []
         for m in self.messages:
             content = m.content if isinstance(m.content, str) else [  # the template writes its image placeholder
-                {"type": "image"} if p["type"] == "image_url" else p for p in m.content]
+                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
             message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
             if m.tool_calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -412,8 +551,8 @@ class ChatCompletionRequest(_Generation):
 
     def image_urls(self) -> list[str]:
         """The URLs of the image parts of all messages, in order (the order of the template's placeholders)."""
-        return [p["url"] for m in self.messages if isinstance(m.content, list) for p in m.content
-                if p["type"] == "image_url"]
+        return [p.url for m in self.messages if isinstance(m.content, list) for p in m.content
+                if isinstance(p, ImagePart)]
 
     def unsupported(self):
         if self.logprobs or self.top_logprobs is not None:
@@ -435,36 +574,45 @@ class _TokenizerRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
 
-    def unsupported(self):
-        return None
-
 
 class TokenizeRequest(_TokenizerRequest):
     prompt: StrictStr
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool = Field(True, description="add the tokenizer's special tokens (Gemma's <bos>)")
 
 
 class DetokenizeRequest(_TokenizerRequest):
     tokens: list[StrictInt]
 
 
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 for pydantic's (or FastAPI's) first error, naming the field: "messages.0.role: Input should be ..."."""
+    error = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:  # FastAPI's prefix for the body
+        loc = loc[1:]
+    if error["type"] == "unsupported_field":
+        field = error["ctx"]["field"]
+        return bad_request(error["msg"], param=field)
+    if not loc:
+        if error["type"] == "missing":
+            return bad_request("the request body is empty; expected a JSON object")
+        if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            return bad_request("the request body must be a JSON object")
+    param = ".".join(str(part) for part in loc) or None
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if error["type"] == "missing":
+        message = "this field is required"
+    return bad_request(f"{param}: {message}" if param else message, param=param)
+
+
 def parse(model: type[BaseModel], body: Any):
-    """Validate a decoded JSON body; any problem becomes a 400 that names the field."""
+    """Validate a decoded JSON body as the routes do; any problem becomes a 400 that names the field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
-        error = e.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "missing":
-            message = "this field is required"
-        raise bad_request(f"{param}: {message}", param=param) from None
-    problem = request.unsupported()
-    if problem:
-        raise bad_request(f"{problem[0]}: {problem[1]}", param=problem[0])
-    return request
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 # -- responses -----------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dgemma.structured.automaton import (
     json_object_constraint,
     json_schema_constraint,
     regex_constraint,
+    set_disk_cache,
 )
 from dgemma.structured.decode import ENDED, CanvasChoice, constrained_canvas, constrained_sample
 from dgemma.structured.schema import SchemaError, check_schema
@@ -36,4 +37,5 @@ __all__ = [
     "json_object_constraint",
     "json_schema_constraint",
     "regex_constraint",
+    "set_disk_cache",
 ]

@@ -19,16 +19,26 @@ What this module adds on top of the library's `Index`:
     for each state the fewest tokens to an accepting state (the decoder keeps answers within budget);
   * token classes: tokens with the same transitions in every state are interchangeable for the
     decoder, which then works per class (tens to thousands) instead of per token (up to 262,144);
-  * an in-process cache per (vocabulary, regex): building takes seconds at Gemma's vocabulary size.
+  * a cache per (vocabulary, regex): building takes seconds at Gemma's vocabulary size (about four
+    minutes for json_object's generic grammar). In process, the 32 most recent; concurrent requests for
+    one automaton share one build. On disk, optionally (`set_disk_cache(folder)`, `dgemma serve
+    --automaton-cache`): one file per (vocabulary fingerprint, regex, outlines-core version), written
+    atomically and read back in well under a second, so a restarted server does not build again.
 EOS is not part of the automaton: the decoder allows it in accepting states only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import tempfile
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +50,9 @@ from dgemma.structured.vocabulary import TokenVocabulary
 # Bounded, so an answer cannot spend its budget on blank space; outlines' own default is "[ ]?".
 JSON_WHITESPACE = r"(?:[ ]?|\n[ ]{0,24})"
 CACHE_SIZE = 32
+DISK_FORMAT = 1  # bump when what `_build` makes of a regex changes: older files are then never read
+
+log = logging.getLogger("dgemma.structured")
 
 
 class ConstraintError(ValueError):
@@ -133,7 +146,15 @@ _TENSORS = ("final", "distance", "token_class", "edge_src", "edge_class", "edge_
 # -- building --------------------------------------------------------------------------------------------
 
 _cache: OrderedDict[tuple[str, str], TokenAutomaton] = OrderedDict()
+_building: dict[tuple[str, str], Future] = {}  # builds in progress: later callers wait for the first
 _cache_lock = threading.Lock()
+_disk: Path | None = None
+
+
+def set_disk_cache(folder: str | os.PathLike | None) -> None:
+    """Keep built automata in `folder` (created when missing) and read them from there; None: memory only."""
+    global _disk
+    _disk = None if folder is None else Path(folder)
 
 
 def regex_constraint(regex: str, vocabulary: TokenVocabulary, *, description: str = "regex") -> TokenAutomaton:
@@ -143,12 +164,76 @@ def regex_constraint(regex: str, vocabulary: TokenVocabulary, *, description: st
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    automaton = _build(regex, vocabulary, description)
+        pending = _building.get(key)
+        building = pending is None
+        if building:
+            pending = _building[key] = Future()
+    if not building:
+        return pending.result()  # another thread builds it; its error is ours too
+    try:
+        automaton = _read(key, vocabulary, description)
+        if automaton is None:
+            automaton = _build(regex, vocabulary, description)
+            _write(key, automaton)
+    except BaseException as e:
+        with _cache_lock:
+            del _building[key]
+        pending.set_exception(e)
+        raise
     with _cache_lock:
         _cache[key] = automaton
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
+        del _building[key]
+    pending.set_result(automaton)
     return automaton
+
+
+def _disk_path(key: tuple[str, str]) -> Path | None:
+    if _disk is None:
+        return None
+    from importlib.metadata import version
+
+    name = hashlib.sha256(repr((DISK_FORMAT, version("outlines-core"), *key)).encode()).hexdigest()[:32]
+    return _disk / f"{name}.pt"
+
+
+def _read(key: tuple[str, str], vocabulary: TokenVocabulary, description: str) -> TokenAutomaton | None:
+    """The automaton from the disk cache, or None (no cache, no file, or a file that is not this one's)."""
+    path = _disk_path(key)
+    if path is None or not path.exists():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+        if saved["regex"] != key[1] or saved["vocabulary"] != key[0] or saved["vocab_size"] != vocabulary.size:
+            return None
+        edges = zip(saved["edge_src"].tolist(), saved["edge_class"].tolist(), saved["edge_dst"].tolist())
+        return TokenAutomaton(regex=saved["regex"], vocab_size=saved["vocab_size"], initial=saved["initial"],
+                              description=description, _next={(s, c): d for s, c, d in edges},
+                              **{k: saved[k] for k in _TENSORS})
+    except Exception as e:  # a truncated or foreign file: build again (and overwrite it)
+        log.warning("ignoring the cached automaton %s: %s", path, e)
+        return None
+
+
+def _write(key: tuple[str, str], automaton: TokenAutomaton) -> None:
+    """Into the disk cache, atomically (a reader never sees half a file); a cache that cannot be written
+    is only a warning."""
+    path = _disk_path(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            try:
+                torch.save({"regex": key[1], "vocabulary": key[0], "vocab_size": automaton.vocab_size,
+                            "initial": automaton.initial, **{k: getattr(automaton, k) for k in _TENSORS}}, f)
+            except BaseException:
+                os.unlink(f.name)
+                raise
+        os.replace(f.name, path)
+    except OSError as e:
+        log.warning("cannot write the automaton cache %s: %s", path, e)
 
 
 def json_schema_constraint(schema, vocabulary: TokenVocabulary, *, whitespace: str = JSON_WHITESPACE
