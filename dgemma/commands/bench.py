@@ -72,12 +72,11 @@ def run(args):
         model = dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
         name = args.model
     else:
-        config = dgemma.get_preset(args.config)
-        model = dgemma.DiffusionGemma(config).to(device=device, dtype=dtype).eval()
-        if args.quantize:
-            from dgemma.model.quant import quantize_model
+        from dgemma.model.random_weights import random_model
 
-            quantize_model(model, args.quantize)
+        # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
+        model = random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
+                             seed=args.seed)
         name = f"preset {args.config} (random weights)"
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
@@ -90,7 +89,8 @@ def run(args):
     hf = None
     if not args.no_transformers:
         if args.quantize:
-            print("note: transformers runs the unquantised weights", file=sys.stderr)
+            print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
+                  "same shape)"), file=sys.stderr)
         hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
         with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
             hf = timing.load_transformers(f"{folder}/model", hf_dtype, device)
@@ -155,10 +155,10 @@ def _dense_copy(model, args, dtype, device):
 
     if args.model:
         return dgemma.load_model(args.model, device="cpu", dtype=dtype)
-    import torch
+    from dgemma.model.random_weights import random_model
 
-    torch.manual_seed(args.seed)
-    return dgemma.DiffusionGemma(dgemma.get_preset(args.config)).to(dtype=dtype)
+    # random codes have no dense original: dense random weights of the same shape and seed
+    return random_model(dgemma.get_preset(args.config), dtype=dtype, seed=args.seed)
 
 
 def _table(rows):

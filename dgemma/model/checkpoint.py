@@ -252,7 +252,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     stored = read_headers(path)
     config = without_missing_vision(config, stored)
     with torch.device("meta"):
-        model = DiffusionGemma(config, sampling)
+        model = DiffusionGemma(config, sampling).to(dtype)  # quantised modules compute in the model dtype
     model.hf_config, model.hf_generation_config = cfg, gen
     model.source_dir = path
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}

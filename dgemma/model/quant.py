@@ -22,41 +22,68 @@ FORMATS = ("int8", "int4")
 GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
 
 
+# Quantising works through this many weights at a time, so its fp32 temporaries stay a few tens of MB
+# whatever the tensor (a 26B expert tensor is 0.5G weights: whole, the clip search would need ~10 GB).
+QUANT_CHUNK_ELEMENTS = 1 << 22
+# Dequantising a whole stack of experts goes through fp32 this many weights at a time.
+DEQUANT_CHUNK_ELEMENTS = 1 << 26
+
+dequantize_calls = 0  # dequantize_tensor calls outside compiled graphs (tests count them per step)
+
+
 def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int | None = None):
     """w (..., out, in) -> (q, scales). int8: q int8 (..., out, in); int4: q uint8 (..., out, in/2), two
     nibbles per byte. scales (..., out, in/group) fp16 with w ≈ q * scale per group (2 bytes a group:
-    int4 costs 0.5625 bytes a weight with groups of 32)."""
+    int4 costs 0.5625 bytes a weight with groups of 32). Rows are quantised a chunk at a time."""
     *lead, out_f, in_f = w.shape
     group_size = group_size or GROUP_SIZE[fmt]
     if in_f % group_size:
         group_size = in_f  # fall back to one group per row for odd widths
+    rows = w.reshape(-1, in_f)
+    q = torch.empty(rows.shape[0], in_f // 2 if fmt == "int4" else in_f,
+                    dtype=torch.uint8 if fmt == "int4" else torch.int8, device=w.device)
+    scales = torch.empty(rows.shape[0], in_f // group_size, dtype=torch.float16, device=w.device)
+    step = max(1, QUANT_CHUNK_ELEMENTS // in_f)
+    for a in range(0, rows.shape[0], step):
+        q[a : a + step], scales[a : a + step] = _quantize_rows(rows[a : a + step], fmt, group_size)
+    return q.view(*lead, out_f, q.shape[-1]), scales.view(*lead, out_f, scales.shape[-1])
+
+
+def _quantize_rows(w: torch.Tensor, fmt: str, group_size: int):
+    """w (n, in) -> q (n, in or in/2), scales (n, in/group) fp16."""
+    n, in_f = w.shape
     qmax = 127 if fmt == "int8" else 7
     qmin = -qmax - 1 if fmt == "int4" else -qmax
-    groups = w.float().reshape(*lead, out_f, in_f // group_size, group_size)
+    groups = w.float().reshape(n, in_f // group_size, group_size)
     absmax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
     # int4 has 16 levels: clipping the largest weights a little lowers the error of all the others.
     # Per group, keep the clip ratio with the least squared error (int8 has enough levels not to need it).
-    ratios = (1.0,) if fmt == "int8" else (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-    best_err = best_scale = None
-    for r in ratios:
-        scale = absmax * r / qmax
-        err = (torch.round(groups / scale).clamp(qmin, qmax) * scale - groups).pow(2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_err, best_scale = err, scale
-        else:
-            better = err < best_err
-            best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    best_scale = absmax / qmax
+    if fmt == "int4":
+        best_err = None
+        for r in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75):
+            scale = absmax * r / qmax
+            err = (torch.round(groups / scale).clamp_(qmin, qmax).mul_(scale).sub_(groups)).square_().sum(-1, keepdim=True)
+            if best_err is None:
+                best_err, best_scale = err, scale
+            else:
+                better = err < best_err
+                best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
     best_scale = best_scale.to(torch.float16).float()  # stored as fp16: quantise against what is stored
-    q = torch.round(groups / best_scale).clamp(qmin, qmax).to(torch.int8)
-    scales = best_scale.squeeze(-1).to(torch.float16)
-    q = q.reshape(*lead, out_f, in_f)
+    q = torch.round(groups / best_scale).clamp_(qmin, qmax).to(torch.int8).reshape(n, in_f)
     if fmt == "int4":
         nibbles = (q + 8).to(torch.uint8)  # 0..15
         q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return q, scales
+    return q, best_scale.squeeze(-1).to(torch.float16)
 
 
-def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """(q, scales) of `quantize_tensor` -> weights (..., out, in) in `dtype` (computed in fp32, rounded
+    once); into `out` when given."""
+    global dequantize_calls
+    if not torch.compiler.is_compiling():
+        dequantize_calls += 1
     if fmt == "int4":
         low = (q & 0x0F).to(torch.int8) - 8
         high = (q >> 4).to(torch.int8) - 8
@@ -64,7 +91,27 @@ def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: to
     *lead, out_f, in_f = q.shape
     groups = scales.shape[-1]
     w = q.reshape(*lead, out_f, groups, in_f // groups).float() * scales.float()[..., None]
-    return w.reshape(*lead, out_f, in_f).to(dtype)
+    w = w.reshape(*lead, out_f, in_f)
+    if out is None:
+        return w.to(dtype)
+    return out.copy_(w)
+
+
+def random_quantized(shape: tuple[int, ...], fmt: str, std: float, generator: torch.Generator | None = None,
+                     device=None):
+    """Random (q, scales) for a (..., out, in) weight, made directly in the quantised format (no dense
+    copy): codes uniform over the format's levels, every scale std / (the levels' standard deviation),
+    so the dequantised weights have standard deviation ~std. For benchmarks of the full-size model."""
+    *lead, out_f, in_f = shape
+    group = GROUP_SIZE[fmt] if in_f % GROUP_SIZE[fmt] == 0 else in_f
+    if fmt == "int4":
+        q = torch.randint(0, 256, (*lead, out_f, in_f // 2), dtype=torch.uint8, generator=generator, device=device)
+        level_std = (((16**2) - 1) / 12) ** 0.5  # uniform over -8..7
+    else:
+        q = torch.randint(-127, 128, (*lead, out_f, in_f), dtype=torch.int8, generator=generator, device=device)
+        level_std = (((255**2) - 1) / 12) ** 0.5
+    scales = torch.full((*lead, out_f, in_f // group), std / level_std, dtype=torch.float16, device=device)
+    return q, scales
 
 
 class QuantLinear(nn.Module):
@@ -92,9 +139,21 @@ class QuantLinear(nn.Module):
 
 
 class QuantExperts(Experts):
-    """Fused experts with quantised (E, out, in) tensors; one expert is dequantised when it runs."""
+    """Fused experts with quantised (E, out, in) tensors.
 
-    batched = False  # dequantising every expert at once would cost the memory quantisation saved
+    Two ways to run them:
+      per expert  -- each active expert is dequantised when it runs (2 dequantisations per active expert):
+                     the least memory, and what a few tokens (AR decoding) need;
+      all at once -- both tensors of every expert are dequantised into one reusable (E, out, in) buffer
+                     per shape, shared by all layers, then the dense paths run (the grouped GEMM on CUDA,
+                     the padded grid elsewhere): a handful of dequantisation calls per layer instead of
+                     up to 2 E small ones, at the cost of one layer's experts in the model dtype.
+    `dequantize_all`: None picks all at once on CUDA when there are at least as many (token, choice)
+    entries as experts; True / False force a way (tests force it on CPU).
+    """
+
+    batched = False  # the per-expert way; the dequantised view below is a plain `Experts`
+    dequantize_all: bool | None = None
 
     def __init__(self, base: Experts, fmt: str, dtype: torch.dtype):
         nn.Module.__init__(self)
@@ -123,6 +182,41 @@ class QuantExperts(Experts):
     @property
     def gate_up_proj(self):  # Experts.forward reads the expert count from this tensor's first dim
         return self.gate_up_proj_q
+
+    def route(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        all_at_once = self.dequantize_all
+        if all_at_once is None:
+            all_at_once = x.is_cuda and experts.numel() >= self.num_experts
+        if not all_at_once:
+            return super().route(x, experts)
+        return _Dequantised(self.dequantized("gate_up_proj"), self.dequantized("down_proj")).route(x, experts)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """All experts' `name` tensor (E, out, in) in the model dtype, in a buffer shared by every layer
+        (valid until the next layer's call), dequantised a block of experts at a time."""
+        q, scales = getattr(self, f"{name}_q"), getattr(self, f"{name}_scales")
+        E, out_f = q.shape[:2]
+        in_f = q.shape[2] * 2 if self.fmt == "int4" else q.shape[2]
+        key = (name, E, out_f, in_f, self.compute_dtype, q.device)
+        buffer = _DEQUANTIZED.get(key)
+        if buffer is None:
+            buffer = _DEQUANTIZED[key] = torch.empty(E, out_f, in_f, dtype=self.compute_dtype, device=q.device)
+        step = max(1, DEQUANT_CHUNK_ELEMENTS // (out_f * in_f))
+        for a in range(0, E, step):
+            dequantize_tensor(q[a : a + step], scales[a : a + step], self.fmt, self.compute_dtype, out=buffer[a : a + step])
+        return buffer
+
+
+# (name, E, out, in, dtype, device) -> the buffer `QuantExperts.dequantized` fills, one per shape
+_DEQUANTIZED: dict[tuple, torch.Tensor] = {}
+
+
+class _Dequantised(Experts):
+    """Plain experts over borrowed dense (E, out, in) tensors: the dense routing paths, unchanged."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.down_proj = gate_up, down
 
 
 def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
