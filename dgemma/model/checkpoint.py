@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import load_dense_into, swap_modules
+from dgemma.model.quant import load_dense_into, swap_modules, use_cpu_int4_kernel
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -290,6 +290,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
     del loaded
     model.quantization = quantize
+    use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
     model.load_report = plan.report
     return model.eval()
 

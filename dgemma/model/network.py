@@ -21,6 +21,7 @@ from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.model.attention import (
     KVCache,
     apply_rope,
+    attention,
     canvas_mask,
     causal_mask,
     image_blocks,
@@ -80,7 +81,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H)."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
         B, _, T, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 

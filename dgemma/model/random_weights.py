@@ -12,7 +12,7 @@ import torch
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import QuantExperts, random_quantized, swap_modules
+from dgemma.model.quant import QuantExperts, random_quantized, swap_modules, use_cpu_int4_kernel
 
 
 @torch.no_grad()
@@ -45,4 +45,5 @@ def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torc
     left = [k for k in missing if not k.endswith(("qweight", "scales", "_q"))]
     assert not left and not unexpected, (left, unexpected)
     model.quantization = quantize
+    use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul (repacked expert by expert)
     return model.eval()
