@@ -276,11 +276,13 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
                         tensor = f.get_tensor(key)
                     except (SafetensorError, OSError, RuntimeError) as e:
                         raise CheckpointError(f"{file}: cannot read {key} ({e})") from None
-                    tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                    target = dtype if tensor.is_floating_point() else tensor.dtype
                     if name in quantised:
-                        load_dense_into(quantised[name], name, tensor)
+                        load_dense_into(quantised[name], name, tensor.to(device=device, dtype=target))
                     else:
-                        loaded[name] = tensor
+                        # a copy: the tensor safetensors returns lives in the shard's memory map, and one kept
+                        # view would keep every page of the shard read so far resident
+                        loaded[name] = tensor.to(device=device, dtype=target, copy=True)
                     del tensor
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None

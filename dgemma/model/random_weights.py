@@ -12,7 +12,8 @@ import torch
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import QuantExperts, random_quantized, swap_modules, use_cpu_int4_kernel
+from dgemma.model.quant import (GROUP_SIZE, QuantExperts, cpu_int4_kernel_applies, kernel_scales, random_quantized, swap_modules,
+                                use_cpu_int4_kernel)
 
 
 @torch.no_grad()
@@ -27,6 +28,10 @@ def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torc
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     quantised = swap_modules(model, quantize) if quantize else {}
     gen = torch.Generator(device=device).manual_seed(seed)
+    # bf16 int4 on a CPU runs torch's int4 matmul: random codes are random in its layout too, so only the
+    # scales are made in its form (no repacking)
+    kernel = (quantize == "int4" and cpu_int4_kernel_applies(model, torch.device(device), dtype)
+              and all(shapes[n][-1] % GROUP_SIZE["int4"] == 0 for n in quantised))
     std = config.initializer_range
     tensors = {}
     for name, shape in shapes.items():
@@ -38,9 +43,12 @@ def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torc
             which = name.rsplit(".", 1)[1]
             q, scales = random_quantized(shape, quantize, std, gen, device)
             setattr(module, f"{which}_q", q)
-            setattr(module, f"{which}_scales", scales)
+            setattr(module, f"{which}_scales", kernel_scales(scales, dtype) if kernel else scales)
+            module.kernel_layout = kernel
         else:
-            module.qweight, module.scales = random_quantized(shape, quantize, std, gen, device)
+            q, scales = random_quantized(shape, quantize, std, gen, device)
+            module.qweight, module.scales = q, kernel_scales(scales, dtype) if kernel else scales
+            module.kernel_layout = kernel
     missing, unexpected = model.load_state_dict(tensors, assign=True, strict=False)
     left = [k for k in missing if not k.endswith(("qweight", "scales", "_q"))]
     assert not left and not unexpected, (left, unexpected)
