@@ -118,7 +118,7 @@ def run(args):
         engine = rows[-len(systems)]
         budget = timing.memory_budget(model, batch, need)
         # resident memory before a run already holds weights, runtime and the allocated KV cache; during
-        # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole
+        # generation it may grow by one (B, L, V) fp32 buffer, within 10% of the whole (at most 256 MB)
         budget["rss_before_bytes"] = engine.rss_before_bytes
         budget["peak_rss_bytes"] = engine.peak_rss_bytes
         budget["within_budget"] = systems[0].within_budget(budget["logits_buffer_bytes"])
