@@ -94,7 +94,7 @@ def run(args):
         hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
         with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
             hf = timing.load_transformers(f"{folder}/model", hf_dtype, device)
-    print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
+    print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
     rows, budgets = [], {}
