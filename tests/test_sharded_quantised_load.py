@@ -74,6 +74,8 @@ def test_quantised_load_peaks_near_quantised_size_plus_one_shard(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     added = out["peak"] - out["base"]
+    print(f"checkpoint {total / 2**20:,.0f} MiB in shards of <= {largest_shard / 2**20:,.0f} MiB; quantised "
+          f"{out['weights'] / 2**20:,.0f} MiB; loading added {added / 2**20:,.0f} MiB of peak RSS")
     assert out["weights"] < 0.6 * total  # int8 + fp16 scales (the embedding and norms stay bf16)
     # the quantised weights, one shard's pages and one tensor's temporaries; a dense load would add `total`
     assert added < out["weights"] + 2 * largest_shard, (added / 2**20, out["weights"] / 2**20)
