@@ -6,8 +6,13 @@ dtype: the entropy-bound sampler accepts tokens by the entropy of these logits, 
 it run many more steps (seen in the MLX port), while the table is only 3% of the weights.
 
 Quantising happens while loading (`load_model(..., quantize="int4")`): modules are swapped on the meta
-device first and each dense tensor is quantised the moment it is read, so peak memory stays near the
-quantised size.
+device first and each dense tensor is quantised the moment it is read, a chunk of rows at a time, so peak
+memory stays near the quantised size plus one shard.
+
+Running them: by default a weight is dequantised (through fp32) when its module runs, expert by expert for
+the fused experts. On CUDA, experts serving many tokens are dequantised all at once into one shared buffer
+(`QuantExperts.dequantize_all`). A bf16 int4 model on a CPU is repacked for torch's CPU int4 matmul
+(`use_cpu_int4_kernel`), which never materialises the dense weight.
 """
 
 from __future__ import annotations
