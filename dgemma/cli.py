@@ -1,4 +1,4 @@
-"""`dgemma` command line: generate | chat | info | train | bench | serve | sudoku | convert.
+"""`dgemma` command line: generate | chat | info | train | export | bench | serve | sudoku | convert.
 
 Each subcommand lives in `dgemma/commands/<name>.py` with `add_arguments(parser)` and `run(args)`;
 this file only wires them up and turns expected failures into one line on stderr with exit code 2.
@@ -17,6 +17,7 @@ COMMANDS = {
     "chat": "interactive chat in the terminal",
     "info": "summarise a model folder or preset: parameters, active parameters, memory",
     "train": "fine-tune or train from scratch (diffusion objective, LoRA, AR baseline)",
+    "export": "turn a training checkpoint into a Hugging Face folder (LoRA merged)",
     "bench": "measure generation speed against transformers and autoregressive decoding",
     "serve": "OpenAI-compatible HTTP server with a playground page",
     "sudoku": "solve and evaluate sudoku puzzles with the shipped model",

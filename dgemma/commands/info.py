@@ -1,4 +1,8 @@
-"""`dgemma info`: parameters, active parameters and a memory model for a model folder or preset."""
+"""`dgemma info`: parameters, active parameters and a memory model for a model folder or preset.
+
+    dgemma info --preset diffusiongemma-26b-a4b                       # generation: weights + KV cache
+    dgemma info --preset diffusiongemma-26b-a4b --train --lora --world-size 8 --batch 1 --seq 2048
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ def add_arguments(p):
                    help="weight format for the memory model (default bf16)")
     p.add_argument("--batch", type=int, default=1, help="batch size for the memory model (default 1)")
     p.add_argument("--context", type=int, default=8192, help="tokens of context per request (default 8192)")
+    t = p.add_argument_group("training plan (--train): bytes per process under FSDP2")
+    t.add_argument("--train", action="store_true", help="print the per-process training memory plan")
+    t.add_argument("--world-size", type=int, default=1, help="processes the model is sharded over (default 1)")
+    t.add_argument("--seq", type=int, default=2048, help="longest [prompt ; response] in tokens (default 2048)")
+    t.add_argument("--lora", action="store_true", help="LoRA: only adapters learn")
+    t.add_argument("--lora-rank", type=int, default=16)
+    t.add_argument("--lora-targets", help="as for `dgemma train` (default: attention and the dense MLP)")
+    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="as for `dgemma train`: bf16 = autocast (a LoRA base is then held in bf16, as under --mixed-precision)")
+    t.add_argument("--mixed-precision", choices=["bf16"], help="as for `dgemma train`: FSDP2 bf16 compute")
+    t.add_argument("--activation-checkpointing", action="store_true")
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
@@ -96,6 +111,38 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
+def training_plan(config: ModelConfig, args) -> dict:
+    from dgemma.training.lora import DEFAULT_TARGETS
+    from dgemma.training.memory import memory_plan
+
+    if args.world_size < 1 or args.seq < 1:
+        raise UsageError("--world-size and --seq must be >= 1")
+    targets = (DEFAULT_TARGETS if args.lora_targets is None
+               else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    lora = dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=targets) if args.lora else None
+    return memory_plan(config, world_size=args.world_size, micro_batch=args.batch, seq=args.seq, lora=lora,
+                       lora_base_bf16=args.lora and "bf16" in (args.precision, args.mixed_precision),
+                       compute_bf16=args.precision == "bf16" or args.mixed_precision == "bf16",
+                       activation_checkpointing=args.activation_checkpointing)
+
+
+def print_training_plan(plan: dict):
+    from dgemma.training.memory import TERMS
+
+    kind = "LoRA" if plan["lora"] else "full fine-tune"
+    print(f"training plan    {kind}: {plan['trainable_params']:,} of {plan['total_params']:,} parameters learn; "
+          f"{plan['world_size']} process(es), micro-batch {plan['micro_batch']} x {plan['seq']} tokens, "
+          f"{plan['compute_dtype']} compute{', activation checkpointing' if plan['activation_checkpointing'] else ''}")
+    notes = {"parameters": "sharded; fp32 master weights (a bf16 LoRA base: 2 B)",
+             "gradients": "fp32, sharded, weights that learn",
+             "optimizer": "AdamW: two fp32 moments, sharded",
+             "gathered": "FSDP: root + 2 blocks unsharded, + one block's fp32 gradients",
+             "activations": "estimate: saved for the backward, + fp32 logits"}
+    for term in TERMS:
+        print(f"  {term:<14} {_gb(plan[term]):>12}  {notes[term]}")
+    print(f"  {'total':<14} {_gb(plan['total']):>12}  per process")
+
+
 def run(args):
 
     if args.batch < 1 or args.context < 1:
@@ -148,8 +195,13 @@ def run(args):
           f"sliding layers hold {min(args.context, c.sliding_window - 1)} tokens, plus {c.canvas_length} canvas slots per layer)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
+    plan = None
+    if args.train:
+        plan = training_plan(config, args)
+        print_training_plan(plan)
     checkpoint = {k: v for k, v in checked.items() if k != "skipped_by_reason"} if checked else None
     print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "vision_params", "weight_bytes")},
                       "memory": mem,
-                      **({"checkpoint": checkpoint} if checkpoint else {})}))
+                      **({"checkpoint": checkpoint} if checkpoint else {}),
+                      **({"training_plan": plan} if plan else {})}))
     return 0

@@ -4,11 +4,23 @@
     dgemma train --init preset:tiny --vocab-size 16 --set canvas_length=81 --data sudoku.jsonl --out runs/s
     dgemma train ... --resume                       # continue the run in --out after a kill
     torchrun --nproc-per-node 2 -m dgemma train ... # FSDP2 over 2 processes (gloo on CPU, NCCL on GPU)
+    dgemma train ... --memory-per-rank 80GB          # refuse, before loading weights, a run that cannot fit
 """
 
 from __future__ import annotations
 
+import argparse
+
 from dgemma.commands._common import add_revision_argument
+
+
+def _size(text: str) -> int:
+    from dgemma.convert import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p):
@@ -48,6 +60,11 @@ def add_arguments(p):
     opt.add_argument("--betas", type=float, nargs=2, default=(0.95, 0.99), metavar=("B1", "B2"))
     opt.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm, 0 = off (default 1.0)")
     opt.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast")
+    opt.add_argument("--mixed-precision", choices=["bf16"],
+                     help="FSDP2 MixedPrecisionPolicy (torchrun, 2+ processes): bf16 gathered weights and "
+                          "compute, fp32 gradient reduction, fp32 sharded master weights and AdamW")
+    opt.add_argument("--activation-checkpointing", action="store_true",
+                     help="keep only each block's input; recompute its activations in the backward")
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--noise-eps", type=float, default=1e-3, help="t ~ U(eps, 1) (default 1e-3)")
     opt.add_argument("--self-cond-prob", type=float, default=0.5)
@@ -70,6 +87,9 @@ def add_arguments(p):
     run.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept (0: all; default 2)")
     run.add_argument("--log-every", type=int, default=10)
     run.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    run.add_argument("--memory-per-rank", type=_size, metavar="SIZE",
+                     help="memory each process may use (e.g. 80GB, 80GiB): a run whose plan (see `dgemma info "
+                          "--train`) needs more is refused before any weight is loaded")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or lines")
 
 
@@ -87,6 +107,8 @@ def config_from_args(args):
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         betas=tuple(args.betas), grad_clip=args.grad_clip, precision=args.precision, seed=args.seed,
+        mixed_precision=args.mixed_precision, activation_checkpointing=args.activation_checkpointing,
+        memory_per_rank=args.memory_per_rank,
         noise_eps=args.noise_eps, self_cond_prob=args.self_cond_prob, encoder_loss_weight=args.encoder_loss_weight,
         train_router=args.train_router, lora=args.lora, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=(DEFAULT_TARGETS if args.lora_targets is None

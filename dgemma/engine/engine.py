@@ -7,7 +7,8 @@ Each iteration (`step`):
   1. drop cancelled requests; admit waiting requests into free cache rows (prefill their prompts) and
      start their first canvas;
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
-     generator) and stop rule;
+     generator) and stop rule; the host reads the device once per step, for the stop flags, the
+     accepted counts and the argmax canvases together (`dgemma.device_sync`; tests/test_syncs.py);
   3. rows whose canvas stopped commit it: one batched causal encode for those that continue, a new canvas
      for each; rows that produced EOS or reached max_new_tokens finish and free their row.
 
@@ -20,6 +21,9 @@ request with seed s yields what `dgemma.generation.generate` yields for that pro
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
 exactly as the plain loop does it. A request's `images` are encoded with its prompt (the vision tower runs
 in its prefill) and released; from then on it steps like any other row.
+A request with a `verifier` is checked when its output is complete; a rejected output is denoised
+again with the accepted positions kept (dgemma.generation.verify says how), and candidates of one prompt
+(a Search, search.py) step side by side until one is accepted.
 `submit` and `cancel` may be called from other threads; `step` runs on one.
 """
 
@@ -35,9 +39,12 @@ from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
-from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos, template_slice
-from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
-from dgemma.sampling.sampler import scan_logits
+from dgemma.device_sync import host_read, to_device
+from dgemma.engine.search import Search
+from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, template_slice
+from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
+from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, temperature_schedule
+from dgemma.sampling.sampler import draw_samples, scan_logits, scan_step
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
@@ -107,8 +114,9 @@ class Engine:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit: the engine holds "
                                  f"{self.max_length} positions")
             return
-        if request.constraint is not None and request.fixed is not None:
-            raise ValueError("a canvas template and a constraint cannot be combined")
+        if request.constraint is not None and (request.fixed is not None or request.verifier is not None):
+            raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
+        check_search(request.max_rounds, 1)
         self._check_images(request)
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
@@ -126,6 +134,9 @@ class Engine:
 
     # -- the loop (one thread) -----------------------------------------------------------------
     def step(self):
+        for r in self.active:  # verifier candidates that can no longer win leave now
+            if r.search is not None and r.search.cannot_win(r):
+                r.cancel_requested = True
         for r in self.scheduler.take_cancelled():
             if not (r.scoring and r.row is not None):  # a batch being scored finishes its own requests
                 self._finish(r, "cancelled")
@@ -140,7 +151,8 @@ class Engine:
 
                 r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
             self.runner.prefill(r.row, r.prompt, r.images)
-            r.images = None  # the pixels are in the cache now
+            if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
+                r.images = None
             self._start_canvas(r)
         if to_score:
             self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens))
@@ -158,10 +170,18 @@ class Engine:
             self.step()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int] | None = None,
-                 templates=None, constraints=None, images=None, on_event=None) -> list[Request]:
+                 templates=None, constraints=None, images=None, on_event=None, verifier=None, max_rounds: int = 1,
+                 candidates: int = 1) -> list[Request]:
         """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run.
         constraints[i]: prompt i's TokenAutomaton (dgemma.structured) or None; images[i]: its ImageInputs
-        (dgemma.images) or None."""
+        (dgemma.images) or None. `verifier` (one for all prompts or a list, dgemma.generation.verify):
+        search up to `max_rounds` rounds with `candidates` seeds per prompt; the winning candidate's
+        request is returned (`request.search.stats()`: rounds, forwards, which candidate won)."""
+        if verifier is not None:
+            return self._generate_searches(prompts, sampling, seeds, templates, on_event, verifier, max_rounds,
+                                           candidates, constraints, images)
+        if max_rounds != 1 or candidates != 1:
+            raise ValueError("max_rounds and candidates need a verifier")
         requests = []
         for i, prompt in enumerate(prompts):
             if seeds is not None:
@@ -181,6 +201,25 @@ class Engine:
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
         return requests
+
+    def _generate_searches(self, prompts, sampling, seeds, templates, on_event, verifier, max_rounds, candidates,
+                           constraints, images) -> list[Request]:
+        if constraints is not None or images is not None:
+            raise ValueError("Engine.generate's verifier search takes no constraints or images")
+        checks = verifiers_for(verifier, len(prompts))
+        searches = []
+        for i, prompt in enumerate(prompts):
+            seed = seeds[i] if seeds is not None else (sampling.seed + i if sampling.seed is not None
+                                                       else int(torch.randint(0, 2**62, ()).item()))
+            fixed, tokens = (templates[i] if templates is not None else (None, None))
+            searches.append(Search.start(prompt, sampling, seed=seed, verifier=checks[i], max_rounds=max_rounds,
+                                         candidates=candidates, fixed=fixed, fixed_tokens=tokens, on_event=on_event))
+        requests = [r for s in searches for r in s.candidates]
+        for r in requests:
+            self.check_fits(r)
+            self.scheduler.add(r, bounded=False)
+        self.run_until_done(requests)
+        return [s.winner for s in searches]
 
     def score(self, prompts: list[list[int]], top: int = 1) -> list[Request]:
         """Convenience: score every prompt (`Request.scores`), with `top` alternatives per position."""
@@ -222,7 +261,9 @@ class Engine:
         if r.fixed is not None:
             fixed, tokens = template_slice(r.fixed[None], r.fixed_tokens[None], r.canvas_index, L)  # (1, L)
             if fixed is not None:
-                r.canvas_fixed, r.canvas_fixed_tokens = fixed.to(device), tokens.to(device)
+                # sent from the host without waiting (the template is a host tensor)
+                r.canvas_fixed = to_device(fixed.tolist(), torch.bool, device)
+                r.canvas_fixed_tokens = to_device(tokens.tolist(), torch.long, device)
         canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
         if r.canvas_fixed is not None:
             canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
@@ -242,36 +283,53 @@ class Engine:
                     self._finish(r, "cancelled" if r.cancel_requested else "scored")
 
     def _denoise_step(self):
+        """One decoder forward over every generating row, then each row's sampler step and stop rule.
+
+        The host learns what it schedules by from ONE read per step (`host_read`): each row's stop flag,
+        how many of its positions take a sample, and its argmax canvas (what a finished canvas commits).
+        Everything else stays queued on the device; the bookkeeping (steps, budgets, rows) is Python.
+        """
         batch = self.generating
         logits = self.runner.denoise([r.row for r in batch], torch.stack([r.canvas for r in batch]),
                                      [r.soft for r in batch])  # (n, L, V): the one big buffer
         self.forwards += 1
-        finished_canvases = []
+        scanned, stops = [], []
         for i, r in enumerate(batch):
             s = r.sampling
-            row_logits = logits[i : i + 1]  # a view: the sampler scales it in place
             temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
-            result = sampler_step(row_logits, temperature, s.entropy_bound, r.generator,
-                                  fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
-            r.canvas, r.argmax = result.canvas[0], result.argmax[0]
+            # a view of the buffer: the sampler turns it into probabilities in place
+            step = scan_step(logits[i : i + 1], temperature, s.entropy_bound, r.generator,
+                             fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
+            stop, r.history = adaptive_stop(r.history, step.argmax, step.entropy, s.confidence_threshold,
+                                            r.canvas_fixed)
+            scanned.append(step)
+            stops.append(stop)
+        drawn_counts = torch.cat([step.drawn for step in scanned]).sum(-1, keepdim=True)  # (n, 1)
+        table = torch.cat([torch.cat(stops)[:, None].long(), drawn_counts, torch.cat([st.argmax for st in scanned])], 1)
+        read = host_read(table, "step")  # per row: [stop, drawn count, argmax canvas (L)]
+        finished_canvases = []
+        for i, (r, step, (stop, drawn, *argmax)) in enumerate(zip(batch, scanned, read)):
+            s = r.sampling
+            row_probs = logits[i]  # (L, V) softmax(logits / T), left by the sampler
+            result = draw_samples(step, drawn)
+            r.canvas, r.argmax, r.argmax_tokens = result.canvas[0], result.argmax[0], argmax
             budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
             if r.answer is not None:  # as the plain loop: accepted positions take tokens of a valid answer
-                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_logits[0], budget, r.generator)
-            stop, r.history = adaptive_stop(r.history, result.argmax, result.entropy, s.confidence_threshold,
-                                            r.canvas_fixed)
+                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_probs, budget, r.generator)
             r.step_index += 1
             r.forward_passes += 1
-            finished = r.step_index >= s.max_denoising_steps or (bool(stop) and not s.fixed_steps)
+            finished = r.step_index >= s.max_denoising_steps or (stop and not s.fixed_steps)
             if finished and r.answer is not None:  # commit the most probable valid canvas, not the argmax
-                r.argmax = r.answer.commit(row_logits[0], budget)
+                r.argmax = r.answer.commit(row_probs, budget)
+                r.argmax_tokens = host_read(r.argmax, "constrained commit")
             if not finished:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
-                r.soft = self.runner.soft_embedding(row_logits[0])
-            if r.want_drafts:
+                r.soft = self.runner.soft_embedding(row_probs)
+            if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
                 r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,
-                             tokens=r.argmax.tolist(), entropy=result.entropy[0].tolist(),
-                             accepted=result.accepted[0].tolist()))
+                             tokens=list(r.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
+                             accepted=host_read(result.accepted[0], "drafts")))
             if finished:
                 finished_canvases.append(r)
         del logits
@@ -279,36 +337,59 @@ class Engine:
             self._commit(finished_canvases)
 
     def _commit(self, requests: list[Request]):
+        """Commit finished canvases, from their argmax tokens already on the host (no read here)."""
         continuing_rows, continuing_canvases, continuing = [], [], []
         for r in requests:
             s = r.sampling
-            eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=r.argmax.device)
-            canvas_tokens = pad_after_eos(r.argmax[None], eos, s.pad_token_id)[0][0]  # (L,)
-            r.committed_non_pad += int((canvas_tokens != s.pad_token_id).sum())
+            canvas_tokens = pad_after_eos_host(r.argmax_tokens, s.eos_token_ids, s.pad_token_id)  # L tokens
+            r.committed_non_pad += sum(t != s.pad_token_id for t in canvas_tokens)
             r.steps_per_canvas.append(r.step_index)
             budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
-            new, hit_eos = cut_at_eos(canvas_tokens[:budget].tolist(), s.eos_token_ids)
+            new, hit_eos = cut_at_eos(canvas_tokens[:budget], s.eos_token_ids)
             r.tokens.extend(new)
             if r.t_first_canvas is None:
                 r.t_first_canvas = time.perf_counter()
             r.emit(Event("canvas", r.request_id, r.canvas_index, tokens=new))
             if hit_eos or budget <= self.canvas_length:
-                self._finish(r, "stop" if hit_eos else "length")
+                if not self._verify(r):
+                    self._finish(r, "stop" if hit_eos else "length")
                 continue
             continuing_rows.append(r.row)
             continuing_canvases.append(canvas_tokens)
             continuing.append(r)
         if continuing:
-            self.runner.commit(continuing_rows, torch.stack(continuing_canvases))
+            self.runner.commit(continuing_rows, to_device(continuing_canvases, torch.long, self.model.device))
             for r in continuing:
                 r.canvas_index += 1
                 self._start_canvas(r)
+
+    def _verify(self, r: Request) -> bool:
+        """A complete output meets the request's verifier: True when a new round starts (the verifier
+        rejected positions and rounds are left), False when the request finishes."""
+        if r.verifier is None:
+            return False
+        r.rejected = rejected_positions(r.verifier, r.tokens)
+        r.accepted = not r.rejected
+        if r.accepted or r.round >= r.max_rounds:
+            return False
+        if r.base_template is None:
+            r.base_template = (r.fixed, r.fixed_tokens)
+        r.fixed, r.fixed_tokens = next_template(*r.base_template, r.tokens, r.rejected)
+        r.round += 1
+        r.accepted = None
+        r.emit(Event("round", r.request_id, r.canvas_index, step=r.round, tokens=list(r.rejected)))
+        if r.canvas_index > 0:  # the row holds committed canvases: start again from the prompt alone
+            self.runner.free([r.row])
+            self.runner.prefill(r.row, r.prompt, r.images)
+        r.tokens, r.canvas_index = [], 0
+        self._start_canvas(r)
+        return True
 
     def _finish(self, r: Request, reason: str):
         r.finish_reason = reason
         r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
         r.t_done = time.perf_counter()
-        r.soft = r.canvas = r.history = r.answer = None
+        r.soft = r.canvas = r.history = r.answer = r.argmax_tokens = None
         row = self.scheduler.release(r)
         if row is not None:
             self.runner.free([row])

@@ -1,12 +1,18 @@
-"""The engine's model-facing half: one preallocated cache, forwards over any subset of its rows."""
+"""The engine's model-facing half: one preallocated cache, forwards over any subset of its rows.
+
+Rows are Python lists: the cache keeps its bookkeeping on the host, and host values (prompt ids) go to
+the device without waiting for it (`dgemma.device_sync.to_device`).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from dgemma.device_sync import to_device
+from dgemma.model.network import device_vocab_chunk_rows
+
 # Self-conditioning embeddings are made a block of positions at a time from the probabilities buffer, so the
 # temporaries stay (block, V) next to the one (B, L, V) buffer; the block depends on the device.
-from dgemma.model.network import device_vocab_chunk_rows
 
 
 class Runner:
@@ -24,16 +30,16 @@ class Runner:
     def prefill(self, row: int, prompt: list[int], images=None):
         """Encode a prompt into its row; `images` (dgemma.images.ImageInputs) fill its image tokens, in the
         same call (an image's tokens must be encoded together)."""
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        ids = to_device([prompt], torch.long, self.device)
         pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                                 image_position_ids=images.image_position_ids)
-        self.model.encode(ids, self.cache, rows=torch.tensor([row], device=self.device), return_logits=False,
+        self.model.encode(ids, self.cache, rows=[row], return_logits=False,
                           **pixels)
 
     @torch.no_grad()
     def commit(self, rows: list[int], canvases: torch.Tensor):
         """Encode committed canvases (n, L) into their rows' cache."""
-        self.model.encode(canvases, self.cache, rows=torch.tensor(rows, device=self.device), return_logits=False)
+        self.model.encode(canvases, self.cache, rows=rows, return_logits=False)
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
@@ -42,7 +48,7 @@ class Runner:
         if any(s is not None for s in softs):  # rows at their first step get an exact zero signal
             zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
             soft = torch.stack([zeros if s is None else s for s in softs])
-        return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=torch.tensor(rows, device=self.device))
+        return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=rows)
 
     @torch.no_grad()
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dgemma.device_sync import to_device
 from dgemma.engine.request import Request
 
 # A cluster must save at least this many encoded tokens; below that a row copy is not worth it.
@@ -180,9 +181,11 @@ class ScoringBatch:
             # position j predicts token j + 1; the last position predicts the unknown token after the prompt
             targets[i, : len(piece)] = torch.tensor([r.prompt[j + 1] if j + 1 < len(r.prompt) else -1 for j in span])
         device = model.device
-        rows = torch.tensor([r.row for r, *_ in spans], device=device)
+        rows = [r.row for r, *_ in spans]
         hidden = model.encode(ids.to(device), cache, valid.to(device), rows=rows, return_hidden=True)  # (n, c, H)
-        target_lp, top_ids, top_lp = score_positions(model, hidden[valid.to(device)], targets[valid], self.k)
+        # the positions holding tokens, found on the host (a boolean mask on the device would wait for it)
+        filled = to_device(valid.view(-1).nonzero()[:, 0].tolist(), torch.long, device)
+        target_lp, top_ids, top_lp = score_positions(model, hidden.flatten(0, 1)[filled], targets[valid], self.k)
         self.encoded_tokens += int(valid.sum())
         at = 0
         for (_, _, _, sharers), span in zip(spans, positions):

@@ -31,6 +31,14 @@ def pad_after_eos(argmax: torch.Tensor, eos_ids: torch.Tensor, pad_id: int) -> t
     return argmax.masked_fill(after_eos, pad_id), is_eos.any(-1)
 
 
+def pad_after_eos_host(tokens: list[int], eos_ids, pad_id: int) -> list[int]:
+    """`pad_after_eos` for one row on the host: the tokens with pad strictly after the first EOS."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1] + [pad_id] * (len(tokens) - i - 1)
+    return list(tokens)
+
+
 def columns_left(max_new_tokens: int, canvas_index: int, canvas_length: int) -> int:
     """How many columns of canvas `canvas_index` fall within max_new_tokens (the rest is cut off); the
     canvas is the last one when this is at most canvas_length."""

@@ -7,7 +7,7 @@ Block diffusion, one canvas of L = `canvas_length` tokens at a time:
         canvas = L uniform random tokens
         for step in 0 .. max_denoising_steps-1:      (the reference counts these down N..1)
             logits = denoise(canvas, cache, self-conditioning = softmax of previous step's scaled logits)
-            sample / accept / re-noise (dgemma.sampling.sampler_step)
+            sample / accept / re-noise (dgemma.sampling.sampler_step, in its two halves)
             stop the row when its argmax canvas is stable and its mean entropy is low
         commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
 
@@ -32,14 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from dgemma.config import SamplingConfig
+from dgemma.device_sync import host_read, to_device
 from dgemma.generation.canvas import columns_left, cut_at_eos, left_pad, pad_after_eos, template_slice
 from dgemma.sampling import (
     adaptive_stop,
     new_argmax_history,
     random_tokens,
-    sampler_step,
     temperature_schedule,
 )
+from dgemma.sampling.sampler import draw_samples, scan_step
 
 # on_canvas(canvas_index, new_tokens, finished): new_tokens[b] are row b's tokens committed by this canvas
 # (before its first EOS, within max_new_tokens; [] for a row already finished); finished[b] says the row
@@ -76,6 +77,8 @@ class GenerationResult:
     elapsed_s: float
     tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
     seed: int  # the seed the sampler's generator used
+    # with a verifier, per row: {"accepted", "rounds", "candidate", "forwards" (all candidates'), "rejected"}
+    search: list[dict] | None = None
 
 
 @torch.no_grad()
@@ -91,6 +94,10 @@ def generate(
     constraint=None,
     guide_steps: bool = True,
     images=None,
+    verifier=None,
+    max_rounds: int = 1,
+    candidates: int = 1,
+    generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -104,6 +111,10 @@ def generate(
     (for measuring what the per-step guidance does; the engine always guides).
     `images`: a dgemma.images.ImageInputs holding the images of all prompts, row by row; their soft tokens
     take the places of the prompts' image tokens (`expand_image_tokens`).
+    `verifier`, `max_rounds`, `candidates`: search with a checker in the loop (dgemma.generation.verify:
+    rejected positions are re-noised, the rest kept, up to max_rounds rounds; best of `candidates` seeds);
+    the result's `search` says, per row, the rounds, forwards, winning candidate and whether it was accepted.
+    `generator`: continue this torch.Generator instead of seeding one (the verifier's later rounds).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -118,6 +129,14 @@ def generate(
       * the reference returns whole canvases (ceil(max_new_tokens / L) of them); here the output is cut
         to max_new_tokens, and a row without an EOS inside that cut finishes with reason "length".
     """
+    if verifier is not None:
+        from dgemma.generation.verify import generate_verified
+
+        return generate_verified(model, prompts, sampling, verifier=verifier, max_rounds=max_rounds,
+                                 candidates=candidates, seed=seed, canvas_template=canvas_template,
+                                 on_canvas=on_canvas, on_draft=on_draft, constraint=constraint, images=images)
+    if max_rounds != 1 or candidates != 1:
+        raise ValueError("max_rounds and candidates need a verifier")
     start_time = time.perf_counter()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
@@ -127,69 +146,77 @@ def generate(
     max_new_tokens = sampling.max_new_tokens
     max_canvases = math.ceil(max_new_tokens / canvas_length)
     pad_id = sampling.pad_token_id
-    eos_ids = torch.tensor(sampling.eos_token_ids, dtype=torch.long, device=device)
+    eos_ids = to_device(list(sampling.eos_token_ids), torch.long, device)
     template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
     answers = _constrained_answers(constraint, batch_size, sampling, template, guide_steps)
 
     if seed is None:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
 
     # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each
     cache = model.new_cache(batch_size, input_ids.shape[1] + max_canvases * canvas_length)
     pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                             image_position_ids=images.image_position_ids)
-    model.encode(input_ids, cache, attention_mask=attention_mask, return_logits=False, **pixels)
+    # prompts of one length need no mask (the cache then knows on the host that its rows hold no padding)
+    same_length = all(len(p) == len(prompts[0]) for p in prompts)
+    model.encode(input_ids, cache, attention_mask=None if same_length else attention_mask, return_logits=False,
+                 **pixels)
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)  # produced an EOS
+    finished_rows = [False] * batch_size  # the same on the host
     committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS
     forward_passes = torch.zeros(batch_size, dtype=torch.long, device=device)
     steps_per_canvas: list[list[int]] = [[] for _ in range(batch_size)]
     tokens: list[list[int]] = [[] for _ in range(batch_size)]
+    stopped = [False] * batch_size  # an EOS within max_new_tokens
     time_to_first_canvas = 0.0
     for canvas_index in range(max_canvases):
         fixed, fixed_tokens = (None, None) if template is None else template_slice(
             template.fixed, template.tokens, canvas_index, canvas_length)
         argmax, steps = denoise_canvas(
-            model, cache, sampling, generator, frozen=finished, fixed=fixed, fixed_tokens=fixed_tokens,
-            on_draft=on_draft, answers=answers, budget=columns_left(max_new_tokens, canvas_index, canvas_length),
+            model, cache, sampling, generator, frozen=finished, frozen_rows=finished_rows, fixed=fixed,
+            fixed_tokens=fixed_tokens, on_draft=on_draft, answers=answers,
+            budget=columns_left(max_new_tokens, canvas_index, canvas_length),
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
         canvas_tokens, has_eos = pad_after_eos(argmax, eos_ids, pad_id)  # (B, L), (B,)
         canvas_tokens = canvas_tokens.masked_fill(finished[:, None], pad_id)
-        was_finished = finished.tolist()
         finished = finished | has_eos
         committed.append(canvas_tokens)
         forward_passes += steps
 
-        # Host-side bookkeeping (this also waits for the device, so the timing below is honest).
+        # Host-side bookkeeping from one read per canvas: per row its tokens within the budget, its steps
+        # and whether it has an EOS (this also waits for the device, so the timing below is honest).
         budget = columns_left(max_new_tokens, canvas_index, canvas_length)
+        read = host_read(torch.cat([canvas_tokens[:, :budget], steps[:, None], has_eos[:, None].long()], 1), "canvas")
         new_tokens = []
-        for row, (row_tokens, row_steps) in enumerate(zip(canvas_tokens[:, :budget].tolist(), steps.tolist())):
-            if was_finished[row]:
+        for row, (*row_tokens, row_steps, row_eos) in enumerate(read):
+            if finished_rows[row]:
                 new_tokens.append([])
                 continue
+            finished_rows[row] = bool(row_eos)
             steps_per_canvas[row].append(row_steps)
-            new, _ = cut_at_eos(row_tokens, sampling.eos_token_ids)
+            new, stopped[row] = cut_at_eos(row_tokens, sampling.eos_token_ids)
             new_tokens.append(new)
             tokens[row].extend(new)
         if canvas_index == 0:
             time_to_first_canvas = time.perf_counter() - start_time
         last = canvas_index == max_canvases - 1
         if on_canvas is not None:
-            done = [bool(f) or last for f in finished.tolist()]
-            on_canvas(canvas_index, new_tokens, done)
-        if last or bool(finished.all()):
+            on_canvas(canvas_index, new_tokens, [f or last for f in finished_rows])
+        if last or all(finished_rows):
             break
         model.encode(canvas_tokens, cache, return_logits=False)  # extend the cache by the committed canvas
 
     all_committed = torch.cat(committed, dim=1)  # (B, num_canvases * L)
     sequences = all_committed[:, :max_new_tokens].cpu()
-    finish_reasons = ["stop" if bool(torch.isin(row, eos_ids.cpu()).any()) else "length" for row in sequences]
-    non_pad = (all_committed != pad_id).sum(-1)
-    tokens_per_forward = [n / f for n, f in zip(non_pad.tolist(), forward_passes.tolist())]
+    finish_reasons = ["stop" if s else "length" for s in stopped]
+    non_pad, passes = host_read(torch.stack([(all_committed != pad_id).sum(-1), forward_passes]), "result")
+    tokens_per_forward = [n / f for n, f in zip(non_pad, passes)]
     elapsed = time.perf_counter() - start_time
     generated = sum(len(t) + (reason == "stop") for t, reason in zip(tokens, finish_reasons))
     return GenerationResult(
@@ -213,6 +240,7 @@ def denoise_canvas(
     generator: torch.Generator,
     *,
     frozen: torch.Tensor,
+    frozen_rows: list[bool] | None = None,
     fixed: torch.Tensor | None = None,
     fixed_tokens: torch.Tensor | None = None,
     on_draft: OnDraft | None = None,
@@ -221,10 +249,13 @@ def denoise_canvas(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise one canvas at positions cache.length .. cache.length+L-1.
 
-    frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed.
+    frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed;
+    frozen_rows: the same on the host (read from `frozen` when not given).
     answers[b] (a dgemma.structured ConstrainedAnswer, or None) constrains row b; budget = the tokens
     each row may still write. Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
     row's chosen canvas; denoising steps each row ran (B,) long).
+
+    The host reads once per step: the rows' stop flags and how many positions take a sample.
     """
     batch_size, device = frozen.shape[0], frozen.device
     shape = (batch_size, model.config.canvas_length)
@@ -234,6 +265,7 @@ def denoise_canvas(
         canvas = torch.where(fixed, fixed_tokens, canvas)
     argmax = canvas  # the draft before any step (what the reference starts from, too)
     done = frozen.clone()  # rows whose canvas has stopped
+    done_rows = [bool(f) for f in (host_read(frozen, "canvas start") if frozen_rows is None else frozen_rows)]
     steps = torch.zeros(batch_size, dtype=torch.long, device=device)
     history = new_argmax_history(sampling.stability_threshold, *shape, device)
     self_conditioning = None  # no signal at the first step
@@ -243,28 +275,31 @@ def denoise_canvas(
         logits = model.denoise(canvas, cache, self_conditioning_probs=self_conditioning)  # (B, L, V) fp32
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
-        result = sampler_step(logits, temperature, sampling.entropy_bound, generator,
-                              fixed=fixed, fixed_tokens=fixed_tokens)
-        was_done = done.clone()
+        scanned = scan_step(logits, temperature, sampling.entropy_bound, generator, fixed=fixed,
+                            fixed_tokens=fixed_tokens)
+        argmax = torch.where(done[:, None], argmax, scanned.argmax)
+        stop, history = adaptive_stop(history, argmax, scanned.entropy, sampling.confidence_threshold, fixed)
+        *stop_rows, drawn = host_read(torch.cat([stop.long(), scanned.drawn.sum().view(1)]), "step")
+        result = draw_samples(scanned, drawn)
+        was_done = list(done_rows)
         if answers is not None:  # constrained rows: accepted positions take tokens of a valid answer
             for row, answer in enumerate(answers):
                 if answer is not None and not was_done[row]:
                     result.canvas[row] = answer.guide(result.canvas[row], result.accepted[row], logits[row], budget,
                                                       generator)
         canvas = torch.where(done[:, None], canvas, result.canvas)
-        argmax = torch.where(done[:, None], argmax, result.argmax)
-        stop, history = adaptive_stop(history, argmax, result.entropy, sampling.confidence_threshold, fixed)
         if not sampling.fixed_steps:
             done |= stop
+            done_rows = [d or bool(s) for d, s in zip(done_rows, stop_rows)]
         if answers is not None:  # rows that stop here commit this step's most probable valid canvas
             last_step = step_index == num_steps - 1
             for row, answer in enumerate(answers):
-                if answer is not None and not was_done[row] and (bool(done[row]) or last_step):
+                if answer is not None and not was_done[row] and (done_rows[row] or last_step):
                     chosen[row] = answer.commit(logits[row], budget)
-        self_conditioning = logits  # now softmax(logits / T), left in place by sampler_step
+        self_conditioning = logits  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
             on_draft(step_index, argmax, result.entropy, result.accepted)
-        if bool(done.all()):
+        if all(done_rows):
             break
     for row, tokens in chosen.items():
         argmax[row] = tokens

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dgemma.config import ModelConfig
+from dgemma.device_sync import host_read, to_device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +145,10 @@ class KVCache:
     Every row has its own length, so a serving engine can hold requests at different points in one
     cache and run any subset of rows (`rows`) through a forward pass.
 
+    `rows`, wherever a method takes it: None (every row), a list of row numbers, or a tensor of them. The
+    bookkeeping (lengths, which slots are filled) is Python on the host; given a list, a forward reads
+    nothing back from the device (a tensor costs one host read per forward: `dgemma.device_sync`).
+
     Buffer layout per layer: (batch, kv heads, canvas slots + prefix slots, head dim); the canvas slots
     (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `decoder_buffers`.
     Full layers keep only `keys` (the raw K = V projection); their `values` entry is None.
@@ -162,12 +167,15 @@ class KVCache:
         self.config = config
         self.batch_size = batch_size
         self.max_length = max_length
+        self.keep_all = keep_all
         self.row_lengths = [0] * batch_size  # positions encoded so far per row (== next position)
+        self.row_padded = [False] * batch_size  # the row may hold padding (slot position -1 inside its length)
         sliding_slots = max_length if keep_all else min(max_length, max(config.sliding_window - 1, 1))
         self.capacity = {False: max_length, True: sliding_slots}  # prefix slots, keyed by is_sliding
         self.canvas_slots = 0 if keep_all else config.canvas_length
         self._memo: dict = {}  # see `tables_for_positions`; cleared whenever slots or lengths change
-        self._rows_seen: tuple = (None, None)
+        self._row_sets: dict = {}  # tuple of rows -> (rows, batch index); see `_rows`
+        self._rows_seen: tuple = (None, None)  # the last rows tensor and what `_rows` made of it
         self.slot_pos = {
             s: torch.full((batch_size, n), -1, dtype=torch.long, device=device) for s, n in self.capacity.items()
         }
@@ -188,49 +196,83 @@ class KVCache:
         """The longest row's length (all rows are equal when the cache is used as one batch)."""
         return max(self.row_lengths)
 
-    def lengths(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """(n,) lengths of `rows` (all rows if None) as a tensor on the cache's device."""
-        lengths = torch.tensor(self.row_lengths, dtype=torch.long, device=self.device)
-        return lengths if rows is None else lengths[rows]
+    def _rows(self, rows) -> tuple[tuple[int, ...], slice | torch.Tensor]:
+        """`rows` -> (the row numbers on the host, an index into the batch dim: a slice when they are
+        consecutive (views, no copies), else a device tensor). Memoised: one forward asks in every layer."""
+        if rows is None:
+            return tuple(range(self.batch_size)), slice(None)
+        if isinstance(rows, torch.Tensor):
+            if self._rows_seen[0] is not rows:
+                host = tuple(host_read(rows.reshape(-1), "cache rows as a tensor"))
+                self._rows_seen = (rows, self._index(host, rows))
+            return self._rows_seen[1]
+        key = tuple(int(r) for r in rows)
+        if key not in self._row_sets:
+            if len(self._row_sets) > 512:  # row subsets of a long-running engine: keep the memo bounded
+                self._row_sets.clear()
+            self._row_sets[key] = self._index(key, None)
+        return self._row_sets[key]
 
-    def _row_list(self, rows: torch.Tensor | None) -> list[int]:
-        return list(range(self.batch_size)) if rows is None else rows.tolist()
+    def _index(self, host: tuple[int, ...], tensor: torch.Tensor | None):
+        first, n = (host[0] if host else 0), len(host)
+        if host == tuple(range(first, first + n)):
+            return host, slice(first, first + n)
+        return host, (tensor if tensor is not None else to_device(list(host), torch.long, self.device))
 
-    def filled(self, sliding: bool, rows: torch.Tensor | None = None) -> int:
+    def row_tensor(self, rows) -> torch.Tensor:
+        """`rows` as a device tensor of row numbers (for scattered writes)."""
+        host, index = self._rows(rows)
+        if isinstance(index, torch.Tensor):
+            return index
+        key = ("row tensor", host)
+        if key not in self._row_sets:
+            self._row_sets[key] = torch.arange(index.start or 0, (index.start or 0) + len(host), device=self.device)
+        return self._row_sets[key]
+
+    def lengths(self, rows=None) -> torch.Tensor:
+        """(n,) lengths of `rows` (all rows if None) as a tensor on the cache's device (sent, not read back)."""
+        host = self._rows(rows)[0]
+        key = ("lengths", host)
+        if key not in self._memo:
+            self._memo[key] = to_device([self.row_lengths[r] for r in host], torch.long, self.device)
+        return self._memo[key]
+
+    def filled(self, sliding: bool, rows=None) -> int:
         """Leading slots that may hold something for these rows (slots fill 0, 1, ... before a ring wraps)."""
-        return min(max(self.row_lengths[r] for r in self._row_list(rows)), self.capacity[sliding])
+        return min(max(self.row_lengths[r] for r in self._rows(rows)[0]), self.capacity[sliding])
 
-    def tables_for_positions(self, name, rows: torch.Tensor | None, build):
+    def prefix_visible(self, sliding: bool, rows=None) -> bool | None:
+        """Whether a canvas after each row's prefix sees every filled slot of these rows (its decoder mask
+        is all True), decided on the host: True, False, or None when the host cannot tell (rows that may
+        hold padding, or a keep_all cache, whose sliding slots outlive the window).
+
+        Row r's slots 0 .. min(length_r, capacity) - 1 hold its last positions, all before its canvas and,
+        in a ring of window - 1 slots, all inside the window; the slots after them hold nothing. So the
+        mask is all True exactly when every row fills as many slots as the longest row."""
+        host = self._rows(rows)[0]
+        if self.keep_all or any(self.row_padded[r] for r in host):
+            return None
+        filled = self.filled(sliding, rows)
+        return all(min(self.row_lengths[r], self.capacity[sliding]) >= filled for r in host)
+
+    def tables_for_positions(self, name, rows, build):
         """`build()` once per (name, rows, their lengths) until the cache's slots change: what depends on
         positions alone, like a canvas's masks and RoPE tables, is made once per canvas, not per step."""
-        row_list = self._row_list(rows)
-        key = (name, tuple(row_list), tuple(self.row_lengths[r] for r in row_list))
+        host = self._rows(rows)[0]
+        key = (name, host, tuple(self.row_lengths[r] for r in host))
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
 
-    def _rows_index(self, rows: torch.Tensor | None):
-        """`rows` as an index: a slice when they are consecutive (a view, no copy), else the tensor."""
-        if rows is None:
-            return slice(None)
-        if self._rows_seen[0] is rows:  # one forward asks for the same rows tensor in every layer
-            return self._rows_seen[1]
-        first, n = int(rows[0]), rows.shape[0]
-        index = rows
-        if bool((rows == torch.arange(first, first + n, device=rows.device)).all()):
-            index = slice(first, first + n)
-        self._rows_seen = (rows, index)
-        return index
-
-    def view(self, layer: int, sliding: bool, rows: torch.Tensor | None):
+    def view(self, layer: int, sliding: bool, rows):
         """(keys, values or None, slot positions) of `rows`, cut to the prefix slots in use."""
         n, c = self.filled(sliding, rows), self.canvas_slots
-        idx = self._rows_index(rows)
+        idx = self._rows(rows)[1]
         values = self.values[layer]
         return (self.keys[layer][idx, :, c : c + n], None if values is None else values[idx, :, c : c + n],
                 self.slot_pos[sliding][idx, :n])
 
-    def decoder_keys(self, layer: int, sliding: bool, rows: torch.Tensor | None, k: torch.Tensor, v):
+    def decoder_keys(self, layer: int, sliding: bool, rows, k: torch.Tensor, v):
         """The canvas's own entries k, v (n, Hkv, L, D; v None on full layers), then the rows' prefix
         slots -> new tensors over (n, Hkv, L + S, D), by concatenation.
 
@@ -241,11 +283,11 @@ class KVCache:
         old_k, old_v, _ = self.view(layer, sliding, rows)
         return torch.cat([k, old_k], dim=2), None if v is None else torch.cat([v, old_v], dim=2)
 
-    def decoder_buffers(self, rows: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def decoder_buffers(self, rows) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per layer, the rows' (keys, values or None) over [canvas slots | prefix slots in use], each
         (n, Hkv, L + S, D), for `DiffusionGemma.decode_canvas` to write the canvas into. Views of the
         cache when the rows are consecutive; for other rows a copy (the prefix is only read)."""
-        idx, c = self._rows_index(rows), self.canvas_slots
+        idx, c = self._rows(rows)[1], self.canvas_slots
         buffers = []
         for i in range(self.config.num_layers):
             end = c + self.filled(self.config.is_sliding(i), rows)
@@ -253,11 +295,11 @@ class KVCache:
             buffers.append((self.keys[i][idx, :, :end], None if values is None else values[idx, :, :end]))
         return buffers
 
-    def cached_positions(self, sliding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.slot_pos[sliding][self._rows_index(rows), : self.filled(sliding, rows)]
+    def cached_positions(self, sliding: bool, rows=None) -> torch.Tensor:
+        return self.slot_pos[sliding][self._rows(rows)[1], : self.filled(sliding, rows)]
 
-    def check_room(self, new_len: int, rows: torch.Tensor | None = None):
-        longest = max(self.row_lengths[r] for r in self._row_list(rows))
+    def check_room(self, new_len: int, rows=None):
+        longest = max(self.row_lengths[r] for r in self._rows(rows)[0])
         if longest + new_len > self.max_length:
             raise ValueError(f"cache full: {longest} + {new_len} tokens exceed max_length={self.max_length}")
 
@@ -266,29 +308,32 @@ class KVCache:
         only the last slots."""
         keep = min(positions.shape[1], self.capacity[sliding])
         slots = self.canvas_slots + positions[:, -keep:] % self.capacity[sliding]  # (n, keep)
-        row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
+        row_idx = self.row_tensor(rows)
         new_k = k[:, :, -keep:].transpose(1, 2).to(self.keys[layer].dtype)  # (n, keep, Hkv, D)
         self.keys[layer][row_idx[:, None], :, slots] = new_k
         if v is not None:
             self.values[layer][row_idx[:, None], :, slots] = v[:, :, -keep:].transpose(1, 2).to(self.values[layer].dtype)
 
-    def commit_positions(self, rows, positions: torch.Tensor, valid: torch.Tensor):
-        """Record the positions of a block just written (n, T); padding gets -1. Advances the rows' lengths."""
+    def commit_positions(self, rows, positions: torch.Tensor, valid: torch.Tensor, *, padded: bool = True):
+        """Record the positions of a block just written (n, T); padding (valid False) gets -1. Advances
+        the rows' lengths. padded=False promises that `valid` is all True (the host then knows the rows
+        hold no padding, see `prefix_visible`)."""
         self._memo.clear()
         pos = torch.where(valid, positions, torch.full_like(positions, -1))
-        row_idx = torch.arange(self.batch_size, device=self.device) if rows is None else rows
+        row_idx = self.row_tensor(rows)
         for sliding in (False, True):
             keep = min(positions.shape[1], self.capacity[sliding])
             slots = positions[:, -keep:] % self.capacity[sliding]
             self.slot_pos[sliding][row_idx[:, None], slots] = pos[:, -keep:]
-        for r in self._row_list(rows):
+        for r in self._rows(rows)[0]:
             self.row_lengths[r] += positions.shape[1]
+            self.row_padded[r] |= padded
 
     def copy_row(self, source: int, targets: list[int]):
         """Give `targets` the exact contents of row `source` (entries, slot positions, length): a prefix
         encoded once serves several continuations, each then appended in its own row."""
         self._memo.clear()
-        idx = torch.tensor(targets, dtype=torch.long, device=self.device)
+        idx = to_device(list(targets), torch.long, self.device)
         c = self.canvas_slots
         for i in range(self.config.num_layers):
             end = c + min(self.row_lengths[source], self.capacity[self.config.is_sliding(i)])
@@ -299,13 +344,15 @@ class KVCache:
             p[idx] = p[source].clone()
         for r in targets:
             self.row_lengths[r] = self.row_lengths[source]
+            self.row_padded[r] = self.row_padded[source]
 
     def reset_rows(self, rows: list[int]):
         """Free rows for new requests (their old slots become invisible)."""
         self._memo.clear()
         for r in rows:
             self.row_lengths[r] = 0
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            self.row_padded[r] = False
+        idx = to_device(list(rows), torch.long, self.device)
         for p in self.slot_pos.values():
             p[idx] = -1
 

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,9 +240,9 @@ def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], Load
 
 
 # -- loading --------------------------------------------------------------------------------------------
-def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
-    """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`. `model.load_report` keeps every
-    checkpoint key's fate ("read" / "skipped: why")."""
+def open_checkpoint(path: Path) -> tuple[DiffusionGemma, LoadPlan, dict[str, StoredTensor]]:
+    """The model a folder describes, on the meta device (with its config files attached for saving), and
+    the plan of which stored key fills which tensor; headers are checked, no weight is read."""
     path = Path(path)
     cfg, config = model_config(path)
     gen_file = path / "generation_config.json"
@@ -261,6 +262,14 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         if not reason.startswith("the encoder's copy"):  # transformers' own saves never hold those
             print(f"note: {len(keys)} tensor(s) skipped ({keys[0]}{', ...' if len(keys) > 1 else ''}): {reason}",
                   file=sys.stderr)
+    return model, plan, stored
+
+
+def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
+    """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`. `model.load_report` keeps every
+    checkpoint key's fate ("read" / "skipped: why")."""
+    path = Path(path)
+    model, plan, stored = open_checkpoint(path)
 
     quantised = swap_modules(model, quantize) if quantize else {}  # filled as their tensors are read
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -298,9 +307,20 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
 
 
 # -- saving ---------------------------------------------------------------------------------------------
-def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
+@dataclass
+class LazyWeights:
+    """Weights to save, read only when their shard is written: sizes (our name -> bytes, in save order)
+    and read(names) -> {name: tensor}."""
+
+    sizes: dict[str, int]
+    read: Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weights: LazyWeights | None = None):
     """Write config.json, generation_config.json and safetensors weights (sharded above max_shard_bytes),
-    plus the tokenizer and processor files of the folder the model was loaded from.
+    plus the tokenizer and processor files of the folder the model was loaded from. `weights` replaces the
+    model's own state dict (the model may then be on the meta device): each shard's tensors are read when
+    that shard is written, so saving holds one shard at a time.
 
     Written into a temporary folder beside `out_dir`, then renamed into place: a crash never leaves a
     half-written checkpoint, and an existing `out_dir` is replaced only once the new one is complete.
@@ -311,14 +331,17 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        state = {checkpoint_key(name): t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+        if weights is None:
+            state = model.state_dict()
+            weights = LazyWeights({n: t.numel() * t.element_size() for n, t in state.items()},
+                                  lambda names: {n: state[n] for n in names})
         config = model.config.to_hf_dict(model.hf_config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = dict(model.hf_generation_config or {})
         gen.update(model.sampling_config.to_hf_dict())
         gen.setdefault("bos_token_id", model.config.bos_token_id)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-        _write_weights(state, tmp, max_shard_bytes)
+        _write_weights(weights, tmp, max_shard_bytes)
         src = getattr(model, "source_dir", None)
         for extra in TOKENIZER_FILES:
             if src and (Path(src) / extra).is_file():
@@ -329,25 +352,27 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None):
         raise
 
 
-def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None):
+def _write_weights(weights: LazyWeights, folder: Path, max_shard_bytes: int | None):
     metadata = {"format": "pt"}
-    if max_shard_bytes is None:
-        save_file(state, str(folder / SINGLE_FILE), metadata=metadata)
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for name, nbytes in weights.sizes.items():
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(name)
         size += nbytes
+
+    def tensors(names: list[str]) -> dict[str, torch.Tensor]:
+        return {checkpoint_key(n): t.detach().contiguous().cpu() for n, t in weights.read(names).items()}
+
+    if len(shards) == 1:
+        save_file(tensors(shards[0]), str(folder / SINGLE_FILE), metadata=metadata)
+        return
     weight_map = {}
-    for i, shard in enumerate(shards):
+    for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata=metadata)
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        save_file(tensors(names), str(folder / fname), metadata=metadata)
+        weight_map.update({checkpoint_key(n): fname for n in names})
+    index = {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma.config import ModelConfig, SamplingConfig
+from dgemma.device_sync import host_read
 from dgemma.model.attention import (
     KVCache,
     apply_rope,
@@ -204,11 +205,6 @@ class SelfConditioning(GatedMLP):
         return self.post_norm(embeds + super().forward(self.pre_norm(soft)))
 
 
-def _none_if_all(mask: torch.Tensor) -> torch.Tensor | None:
-    """No mask when every key is visible (a short prefix): attention then skips reading one."""
-    return None if bool(mask.all()) else mask
-
-
 class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig, sampling_config: SamplingConfig | None = None):
         super().__init__()
@@ -331,7 +327,7 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         attention_mask: torch.Tensor | None = None,
         *,
-        rows: torch.Tensor | None = None,
+        rows: list[int] | torch.Tensor | None = None,
         return_logits: bool = True,
         return_hidden: bool = False,
         pixel_values: torch.Tensor | None = None,
@@ -340,7 +336,8 @@ class DiffusionGemma(nn.Module):
         """input_ids (B, T) -> logits (B, T, V) fp32 (or hidden (B, T, H)); appends to the cache.
 
         Row b's tokens sit at positions cache length of b, +1, ...; `rows` (B,) picks cache rows (all if
-        None). attention_mask (B, T) False marks padding: never attended, its position still used.
+        None; a list keeps the cache's bookkeeping on the host, see KVCache). attention_mask (B, T) False
+        marks padding: never attended, its position still used.
         Images: pixel_values (N, P, 3 p^2) and image_position_ids (N, P, 2) of the N images the prompts
         hold, in order (row by row); their soft tokens take the places of the `image_token_id` tokens
         (see `dgemma.images`). With use_bidirectional_attention="vision" one image's tokens see each
@@ -375,7 +372,7 @@ class DiffusionGemma(nn.Module):
         x, entries = layers(input_ids, prefixes, rope, key_rope, masks, images)
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
-        cache.commit_positions(rows, positions, valid)
+        cache.commit_positions(rows, positions, valid, padded=attention_mask is not None)
         if return_hidden:
             return x
         return self.head(x) if return_logits else None
@@ -419,7 +416,7 @@ class DiffusionGemma(nn.Module):
         self_conditioning_mask: torch.Tensor | None = None,
         soft_embedding: torch.Tensor | None = None,
         prefix_length: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
+        rows: list[int] | torch.Tensor | None = None,
         return_hidden: bool = False,
     ):
         """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
@@ -431,7 +428,7 @@ class DiffusionGemma(nn.Module):
         B, L = canvas_ids.shape
         if prefix_length is None:  # generation: the same tables for every step of a canvas
             rope, key_rope, masks = cache.tables_for_positions(
-                ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows))
+                ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows, True))
         else:
             rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
 
@@ -505,13 +502,20 @@ class DiffusionGemma(nn.Module):
         """Whether `compile_decoder` has run (it compiles the decoder and the encoder's layers together)."""
         return self._compiled_encoder is not None
 
-    def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows):
+    def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows, at_cache_lengths=False):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of
-        every key in [canvas | cached slots] order (full layers), and the masks."""
+        every key in [canvas | cached slots] order (full layers), and the masks; a mask is None when every
+        key is visible (attention then skips reading one). For a canvas right after the rows' prefixes
+        (`at_cache_lengths`) the cache decides that on the host; otherwise one host read tells."""
         positions = prefix_length[:, None] + torch.arange(L, device=prefix_length.device)  # (B, L)
         window = self.config.sliding_window
-        masks = {s: _none_if_all(canvas_mask(cache.cached_positions(s, rows), prefix_length, L, window if s else None))
+        masks = {s: canvas_mask(cache.cached_positions(s, rows), prefix_length, L, window if s else None)
                  for s in (False, True)}
+        visible = {s: cache.prefix_visible(s, rows) if at_cache_lengths else None for s in masks}
+        unknown = [s for s in masks if visible[s] is None]
+        if unknown:
+            visible.update(zip(unknown, host_read(torch.stack([masks[s].all() for s in unknown]), "canvas masks")))
+        masks = {s: None if visible[s] else mask for s, mask in masks.items()}
         full_keys = torch.cat([positions, cache.cached_positions(False, rows)], dim=1)  # (B, L + S)
         key_rope = {False: rope_tables(full_keys, self.inv_freq(False), self.dtype), True: None}
         return self._rope(positions), key_rope, masks

@@ -21,6 +21,7 @@ Cost: the vocabulary-sized work is the main non-matmul cost of a denoising step,
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,19 @@ def temperature_schedule(step_index: int, num_steps: int, t_min: float, t_max: f
 
     The reference counts steps down, n = num_steps .. 1, and uses T_n = t_min + (t_max - t_min) * n / N:
     t_max at the first step, t_min + (t_max - t_min) / N at the last (t_min itself is never reached).
-    It evaluates this in float32 on a 0-d tensor; we do the same so that logits / T is bit-identical.
+    It evaluates this in float32 on a 0-d tensor; we round the same way so that logits / T is
+    bit-identical.
     """
-    steps_left = torch.tensor(num_steps - step_index, dtype=torch.int32)  # n
-    temperature = t_min + (t_max - t_min) * (steps_left / num_steps)  # float32 arithmetic
-    return float(temperature)
+    # float32 arithmetic in Python: each operation on float32 values, computed in double and rounded
+    # once to float32, is the correctly rounded float32 result torch's CPU kernels give (tested); no
+    # tensor, so nothing is read back from one in the engine's step
+    fraction = _f32(_f32(num_steps - step_index) / _f32(num_steps))  # n / N
+    return _f32(_f32(t_min) + _f32(_f32(t_max - t_min) * fraction))
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def token_entropy(scaled_logits: torch.Tensor) -> torch.Tensor:
@@ -149,6 +158,72 @@ class StepResult:
     accepted: torch.Tensor  # (B, L) bool: positions whose fresh sample was kept
 
 
+@dataclass
+class ScannedStep:
+    """A sampler step before its samples are drawn (`scan_step`): everything but the canvas is known."""
+
+    probs: torch.Tensor  # (B * L, V): softmax(logits / T), in the logits buffer
+    uniforms: torch.Tensor  # (B * L,): one per position, for the inverse-CDF draw
+    canvas: torch.Tensor  # (B, L) long: the re-noised canvas (fixed tokens in place), samples not yet in
+    argmax: torch.Tensor  # (B, L) long
+    entropy: torch.Tensor  # (B, L) fp32
+    accepted: torch.Tensor  # (B, L) bool
+    drawn: torch.Tensor  # (B, L) bool: the positions that take a sample (accepted, not fixed)
+
+
+def scan_step(
+    logits: torch.Tensor,
+    temperature: float,
+    entropy_bound: float,
+    generator: torch.Generator | None,
+    *,
+    fixed: torch.Tensor | None = None,
+    fixed_tokens: torch.Tensor | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    scan=scan_logits,
+) -> ScannedStep:
+    """The first part of `sampler_step`, without reading anything back to the host: the scan, the
+    step's random numbers and the acceptance. logits (B, L, V) is overwritten with the probabilities."""
+    B, L, V = logits.shape
+    flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
+    entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
+    argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    # a tensor, not a float: one compiled scan serves every temperature of the schedule (made by a fill,
+    # not copied from the host: `torch.tensor(t, device=...)` would wait for the device)
+    scale = torch.full((), temperature, dtype=logits.dtype, device=logits.device)
+    step = chunk_rows(V, chunk_elements)
+    for start in range(0, B * L, step):
+        rows = slice(start, start + step)
+        argmax[rows], entropy[rows] = scan(flat[rows], scale)
+    entropy, argmax = entropy.view(B, L), argmax.view(B, L)
+    uniforms = torch.rand(B * L, dtype=logits.dtype, device=logits.device, generator=generator)
+    noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
+
+    if fixed is not None:
+        entropy = entropy.masked_fill(fixed, 0.0)
+        argmax = torch.where(fixed, fixed_tokens, argmax)
+    accepted = entropy_bound_accept(entropy, entropy_bound)
+    drawn = accepted if fixed is None else accepted & ~fixed
+    canvas = noise if fixed is None else torch.where(fixed, fixed_tokens, noise)  # samples go in below
+    return ScannedStep(flat, uniforms, canvas, argmax, entropy, accepted, drawn)
+
+
+def draw_samples(scanned: ScannedStep, count: int | None = None,
+                 chunk_elements: int = CHUNK_ELEMENTS) -> StepResult:
+    """The second part of `sampler_step`: the samples of the drawn positions go into the canvas (in
+    place). `count`: how many positions are drawn (`scanned.drawn.sum()`), when the caller has read it
+    already; without it, finding them waits for the device (`nonzero`)."""
+    drawn = scanned.drawn.view(-1)
+    # flat positions that keep their sample; with the count known, nonzero_static does not wait
+    where = (drawn.nonzero() if count is None else torch.nonzero_static(drawn, size=count))[:, 0]
+    step = chunk_rows(scanned.probs.shape[1], chunk_elements)
+    for start in range(0, where.shape[0], step):
+        index = where[start : start + step]
+        scanned.canvas.view(-1)[index] = inverse_cdf(scanned.probs[index], scanned.uniforms[index])
+    return StepResult(canvas=scanned.canvas, argmax=scanned.argmax, entropy=scanned.entropy,
+                      accepted=scanned.accepted)
+
+
 def sampler_step(
     logits: torch.Tensor,
     temperature: float,
@@ -174,29 +249,10 @@ def sampler_step(
     They are known, so their entropy counts as 0: they use none of the entropy budget, are always
     "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
     self-conditioning probabilities there stay the model's own.)
-    """
-    B, L, V = logits.shape
-    flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
-    entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
-    argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
-    # a tensor, not a float: one compiled scan serves every temperature of the schedule
-    scale = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
-    step = chunk_rows(V, chunk_elements)
-    for start in range(0, B * L, step):
-        rows = slice(start, start + step)
-        argmax[rows], entropy[rows] = scan(flat[rows], scale)
-    entropy, argmax = entropy.view(B, L), argmax.view(B, L)
-    uniforms = torch.rand(B * L, dtype=logits.dtype, device=logits.device, generator=generator)
-    noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
 
-    if fixed is not None:
-        entropy = entropy.masked_fill(fixed, 0.0)
-        argmax = torch.where(fixed, fixed_tokens, argmax)
-    accepted = entropy_bound_accept(entropy, entropy_bound)
-    drawn = accepted if fixed is None else accepted & ~fixed
-    canvas = noise if fixed is None else torch.where(fixed, fixed_tokens, noise)  # samples go in below
-    where = drawn.view(-1).nonzero()[:, 0]  # flat positions that keep their sample
-    for start in range(0, where.numel(), step):
-        index = where[start : start + step]
-        canvas.view(-1)[index] = inverse_cdf(flat[index], uniforms[index])
-    return StepResult(canvas=canvas, argmax=argmax, entropy=entropy, accepted=accepted)
+    The two halves, `scan_step` and `draw_samples`, let a caller that reads values back once per step
+    (the engine) learn the number of drawn positions in that read instead of waiting for `nonzero`.
+    """
+    scanned = scan_step(logits, temperature, entropy_bound, generator, fixed=fixed, fixed_tokens=fixed_tokens,
+                        chunk_elements=chunk_elements, scan=scan)
+    return draw_samples(scanned, chunk_elements=chunk_elements)

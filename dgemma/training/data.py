@@ -152,6 +152,11 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return len(self.lines)
 
+    def longest_row(self, canvas_length: int) -> int:
+        """The longest [prompt ; response ; EOS fill] of the dataset, in tokens (as `collate` lays it out)."""
+        P, R = (array("q", (b - a for a, b in zip(o, o[1:]))) for o in (self._offsets["prompt"], self._offsets["response"]))
+        return max((p + num_canvases(r, canvas_length) * canvas_length for p, r in zip(P, R)), default=0)
+
     def _slice(self, key: str, i: int) -> list[int]:
         return self._tokens[key][self._offsets[key][i] : self._offsets[key][i + 1]].tolist()
 

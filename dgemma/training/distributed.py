@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,18 +63,37 @@ def teardown(env: DistEnv):
         dist.destroy_process_group()
 
 
-def shard(model) -> None:
-    """FSDP2 in place: one unit per layer, then the root."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+def shard(model, *, mixed_precision: str | None = None, activation_checkpointing: bool = False) -> None:
+    """FSDP2 in place: one unit per layer, then the root. Called on the meta-device model, before any
+    weight exists, so each process only ever allocates its own shards (`weights.materialise`).
+
+    mixed_precision "bf16": FSDP2's `MixedPrecisionPolicy` gathers parameters in bf16 for the forward and
+    backward and reduce-scatters gradients in fp32; the sharded master weights and AdamW stay fp32.
+    activation_checkpointing: each block keeps only its input and recomputes its activations in the
+    backward (torch's non-reentrant checkpoint, applied as a module hook so parameter names do not change).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # Block.forward returns its keys/values as transposed views; we only read them (copied into the
     # cache), never modify them in place, which is what this warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        if activation_checkpointing:
+            checkpoint_block(block)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for method in ("encode", "denoise", "head"):
         register_fsdp_forward_method(model, method)
+
+
+def checkpoint_block(block) -> None:
+    """Activation checkpointing for one block (also used without FSDP)."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(block)
 
 
 def set_gradient_sync(model, env: DistEnv, enabled: bool):
@@ -102,34 +122,52 @@ def as_float(value) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Full (unsharded) state dicts: collective calls; the main process receives the tensors (on CPU)
+# Sharded state: DCP (torch.distributed.checkpoint), every process writes and reads its own part
 # ---------------------------------------------------------------------------------------------
-def _options(**kw):
+def _options(frozen_too: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, **kw)
+    # a LoRA run stores its adapters only: the frozen base is read again from its source on resume
+    return StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
 
 
-def full_model_state(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
-
-
-def full_optimizer_state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+def quiet_single_process():
+    """DCP warns that it runs in one process when there is no process group; here that is the intent."""
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
 
 
-def load_model_state(model, state: dict[str, torch.Tensor], *, strict: bool = True):
-    """Every process passes the same full state dict; each keeps its own shard."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+def _tensor_state(model, optimizer, frozen_too: bool):
+    """(state for DCP: {"model": ..., "optim": {"state": ...}}, the full optimizer state dict). Only tensors
+    go to DCP (safetensors files); AdamW's param_groups are the run's settings, rebuilt from its config."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    set_model_state_dict(model, state, options=_options(strict=strict))
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(frozen_too))
+    return {"model": model_state, "optim": {"state": optim_state["state"]}}, optim_state
 
 
-def load_optimizer_state(model, optimizer, state: dict):
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+def save_state(folder: Path, model, optimizer, *, frozen_too: bool):
+    """Model (sharded DTensors or plain tensors) and AdamW's moments and step counts under "model." /
+    "optim.state.": every process writes its own safetensors file (DCP's Hugging Face writer, the
+    offsets of each shard in the file's metadata), all at once; nothing is pickled."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    set_optimizer_state_dict(model, optimizer, state, options=_options())
+    quiet_single_process()
+    state, _ = _tensor_state(model, optimizer, frozen_too)
+    writer = HuggingFaceStorageWriter(str(folder), save_distributed=dist.is_initialized())
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+
+
+def load_state(folder: Path, model, optimizer, *, frozen_too: bool):
+    """The inverse of `save_state`, on any number of processes: each reads the rows it owns from whichever
+    files hold them, so a checkpoint written by another world size loads (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    quiet_single_process()
+    state, optim_state = _tensor_state(model, optimizer, frozen_too)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+    optim_state["state"] = state["optim"]["state"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
+                   options=_options(frozen_too))

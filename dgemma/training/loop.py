@@ -1,8 +1,10 @@
 """`train(TrainConfig)`: the whole training run as one visible loop.
 
-    setup  -> architecture (cheap) -> data (every line checked) -> weights -> what learns -> FSDP -> AdamW
+    setup  -> architecture (cheap) -> data (every line checked) -> memory plan (--memory-per-rank)
+           -> model on meta -> what learns -> FSDP -> each process reads its own rows -> AdamW
     resume -> latest complete checkpoint: weights, optimizer, RNG, step (= data position)
     loop   -> per step: micro-batches (gradient accumulation) -> clip -> AdamW at lr(step) -> log -> checkpoint
+    end    -> OUT/model streamed out of the last checkpoint (Hugging Face format, LoRA merged)
 
 Global batch G = processes x micro-batch x accumulation. Step s reads stream positions s*G .. s*G+G-1
 (process r takes its own contiguous slice), so the examples, their noise and the learning rate depend on
@@ -15,8 +17,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -28,13 +28,10 @@ import torch
 from dgemma.config import ConfigError
 from dgemma.training import distributed as D
 from dgemma.training.data import AUGMENTATIONS, ExampleStream, TextEncoder, collate, load_jsonl, read_examples
+from dgemma.training.export import export_checkpoint
 from dgemma.training.lora import DEFAULT_TARGETS
-from dgemma.training.model_setup import (
-    build_model,
-    configure_trainable,
-    make_exporter,
-    resolve_model_config,
-)
+from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
+from dgemma.training.model_setup import base_dtype, configure_trainable, resolve_model_config
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
 from dgemma.training.progress import MetricsLog, Progress, plot_loss
 from dgemma.training.state import (
@@ -45,6 +42,7 @@ from dgemma.training.state import (
     remove_partial_writes,
     save_checkpoint,
 )
+from dgemma.training.weights import materialise, meta_model
 
 
 @dataclass
@@ -68,6 +66,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.95, 0.99)
     grad_clip: float = 1.0  # max global gradient norm (0: off)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights and optimizer)
+    mixed_precision: str | None = None  # "bf16": FSDP2 MixedPrecisionPolicy (bf16 gathers, fp32 reduce)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward
+    memory_per_rank: int | None = None  # bytes: refuse (before loading weights) a plan above this
     seed: int = 0
     noise_eps: float = 1e-3  # t ~ U(noise_eps, 1)
     self_cond_prob: float = 0.5
@@ -91,7 +92,8 @@ class TrainConfig:
 
     # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
     RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
-                         "micro_batch_size", "device", "skip_bad_lines", "until")
+                         "micro_batch_size", "device", "skip_bad_lines", "until", "activation_checkpointing",
+                         "memory_per_rank")
 
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -100,6 +102,9 @@ class TrainConfig:
         problems = [
             (self.objective in ("diffusion", "ar"), f"objective must be 'diffusion' or 'ar', not {self.objective!r}"),
             (self.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', not {self.precision!r}"),
+            (self.mixed_precision in (None, "bf16"), f"mixed precision must be 'bf16', not {self.mixed_precision!r}"),
+            (self.mixed_precision is None or world_size > 1,
+             "--mixed-precision is FSDP2's policy and needs torchrun with 2+ processes; one process: --precision bf16"),
             (self.steps >= 1, "--steps must be >= 1"),
             (self.until is None or 1 <= self.until <= self.steps, "--until must be between 1 and --steps"),
             (self.augment is None or self.augment in AUGMENTATIONS,
@@ -170,21 +175,6 @@ def _tokenizer(config: TrainConfig):
         raise ConfigError(str(e)) from None
 
 
-def publish(checkpoint_model: Path, target: Path):
-    """OUT/model: hard links to the final checkpoint's files (a copy where links are impossible), atomic."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in checkpoint_model.iterdir():
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
-    if target.exists():
-        shutil.rmtree(target)
-    os.rename(tmp, target)
-
-
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) a training run; every process of a torchrun job calls this."""
     env = D.setup(config.device)
@@ -199,8 +189,9 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     out = Path(config.out)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if env.is_main else (lambda *a: None)
     latest, saved = _resume_point(config, out, say)
-    model_config, eos_id, dataset, tokenizer_dir = _architecture_and_data(config)
-    model, optimizer, export, trainable = _model_and_optimizer(config, model_config, eos_id, tokenizer_dir, env)
+    model_config, eos_id, dataset, _ = _architecture_and_data(config)
+    _check_memory(config, model_config, dataset, env)
+    model, optimizer, trainable = _model_and_optimizer(config, model_config, eos_id, env)
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
         f"{env.world_size} process(es) on {env.device.type}")
@@ -265,8 +256,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
                 trainer_state = {"step": done, "samples_seen": done * G, "config": config.as_json(),
                                  "loss": last_loss}
                 save_checkpoint(out, done, env=env, model=model, optimizer=optimizer,
-                                trainer_state=trainer_state, export=export, lora=config.lora,
-                                keep=config.keep_checkpoints)
+                                trainer_state=trainer_state, lora=config.lora, keep=config.keep_checkpoints)
                 if env.is_main:
                     plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
                 window_t0 += time.perf_counter() - save_started  # tokens/s counts training time only
@@ -274,11 +264,10 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         progress.close()
 
     seconds = time.perf_counter() - t0
-    if env.is_main:  # the last step always writes a checkpoint
-        publish(checkpoint_dir(out, stop) / "model", out / "model")
+    if env.is_main:  # the last step always writes a checkpoint; one process streams it out (no gathering)
+        export_checkpoint(checkpoint_dir(out, stop), out / "model")
         plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
         say(f"done: {out / 'model'}")
-    D.barrier(env)
     records = metrics.read() if env.is_main else []
     if records:
         last_loss = records[-1]["loss"]
@@ -318,22 +307,37 @@ def _architecture_and_data(config: TrainConfig):
     return model_config, eos_id, dataset, tokenizer_dir
 
 
-def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, tokenizer_dir, env: D.DistEnv):
-    """Weights, what learns, sharding, AdamW. Returns (model, optimizer, the function that exports the
-    model at a checkpoint, the number of trainable parameters)."""
+def _check_memory(config: TrainConfig, model_config, dataset, env: D.DistEnv):
+    """--memory-per-rank: refuse, before any weight is loaded, a run whose plan does not fit."""
+    if config.memory_per_rank is None:
+        return
+    micro = config.micro_batch_size or config.batch_size // env.world_size
+    seq = dataset.longest_row(model_config.canvas_length)
+    plan = memory_plan(model_config, **plan_options(config, env.world_size, micro, seq))
+    if plan["total"] > config.memory_per_rank:
+        raise ConfigError(f"the plan needs {format_bytes(plan['total'])} per process ({plan_summary(plan)}), "
+                          f"more than --memory-per-rank {format_bytes(config.memory_per_rank)}; "
+                          f"try more processes, --lora, --activation-checkpointing or a smaller --micro-batch-size")
+
+
+def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, env: D.DistEnv):
+    """Weights, what learns, sharding, AdamW. The model is built on the meta device, adapted and sharded
+    before any weight exists; then each process allocates and reads only its own shards, on its device.
+    Returns (model, optimizer, the number of trainable parameters)."""
     torch.manual_seed(config.seed)
-    # a LoRA base never learns: under bf16 it is held in bf16 (half the memory); adapters stay fp32
-    base_dtype = torch.bfloat16 if config.lora and config.precision == "bf16" else torch.float32
-    model = build_model(config.model, model_config, config.seed, eos_id, base_dtype)
+    model, plan = meta_model(config.model, model_config, eos_id, base_dtype(config))
     lora = (dict(rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                  dropout=config.lora_dropout) if config.lora else None)
     trainable = configure_trainable(model, objective=config.objective, lora=lora, train_router=config.train_router)
-    export = make_exporter(model, lora_scale=config.lora_alpha / config.lora_rank if config.lora else None,
-                           tokenizer_dir=tokenizer_dir)
-    model.to(env.device).train()
     if env.distributed:
-        D.shard(model)
-    return model, _optimizer(model, config), export, trainable
+        D.shard(model, mixed_precision=config.mixed_precision,
+                activation_checkpointing=config.activation_checkpointing)
+    elif config.activation_checkpointing:
+        for block in model.layers:
+            D.checkpoint_block(block)
+    materialise(model, device=env.device, model_dir=config.model, plan=plan, seed=config.seed)
+    model.train()
+    return model, _optimizer(model, config), trainable
 
 
 def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, stream: ExampleStream, step: int,
@@ -345,7 +349,8 @@ def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, s
     micro = config.micro_batch_size or share
     L, V = model_config.canvas_length, model_config.vocab_size
     autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
-    cache_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    bf16 = config.precision == "bf16" or config.mixed_precision == "bf16"
+    cache_dtype = torch.bfloat16 if bf16 else None  # the keys and values the bf16 layers compute
     sums = torch.zeros(4, dtype=torch.float64)
     for a in range(share // micro):
         first = step * G + env.rank * share + a * micro

@@ -24,8 +24,8 @@ from dgemma.model.experts import Experts
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _init_down(A: torch.Tensor):
-    nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # the usual LoRA init for A; B starts at zero
+def lora_init_(A: torch.Tensor, generator: torch.Generator | None = None):
+    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)  # the usual LoRA init for A; B starts at zero
 
 
 class LoRALinear(nn.Module):
@@ -39,7 +39,7 @@ class LoRALinear(nn.Module):
         kw = dict(device=base.weight.device, dtype=torch.float32)  # adapters learn: fp32 even on a bf16 base
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **kw))
-        _init_down(self.lora_A)
+        lora_init_(self.lora_A)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,8 @@ class LoRAExperts(Experts):
         self.lora_down_A = nn.Parameter(torch.empty(E, rank, I, **kw))
         self.lora_down_B = nn.Parameter(torch.zeros(E, H, rank, **kw))
         for e in range(E):
-            _init_down(self.lora_gate_up_A.data[e])
-            _init_down(self.lora_down_A.data[e])
+            lora_init_(self.lora_gate_up_A.data[e])
+            lora_init_(self.lora_down_A.data[e])
 
     def expert_weights(self, e: int):
         gate_up = self.gate_up_proj[e] + self.scale * (self.lora_gate_up_B[e] @ self.lora_gate_up_A[e])

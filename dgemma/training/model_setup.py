@@ -1,4 +1,4 @@
-"""Which network a run trains, which of its weights learn, and how it is exported.
+"""Which network a run trains and which of its weights learn.
 
 Sources: `--model DIR` (a Hugging Face folder: fine-tuning) or `--init preset:NAME | config.json` (random
 init, seeded), with field overrides such as vocab_size=16 or hidden_size=128 for models trained here.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from dgemma.config import FULL, ConfigError, ModelConfig, SamplingConfig, get_preset
-from dgemma.model.checkpoint import read_json, save_pretrained
-from dgemma.training.lora import apply_lora, merge_lora_state
+from dgemma.config import FULL, ConfigError, ModelConfig, get_preset
+from dgemma.model.checkpoint import read_json
+from dgemma.training.lora import apply_lora
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -77,26 +77,20 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     return config_from_init(init, overrides)
 
 
-def build_model(model_dir: str | None, config: ModelConfig, seed: int, eos_id: int,
-                dtype: torch.dtype = torch.float32):
-    """Load the folder, or build and seed-initialise a fresh network, on the CPU in `dtype` (fp32 for
-    weights that learn; a frozen LoRA base may be bf16)."""
-    from dgemma.model import DiffusionGemma, load_model
-
-    if model_dir is not None:
-        return load_model(model_dir, dtype=dtype)
-    with torch.device("meta"):
-        model = DiffusionGemma(config, SamplingConfig(eos_token_ids=(eos_id,), pad_token_id=config.pad_token_id))
-    model.to_empty(device="cpu")
-    model.reset_parameters(seed=seed)
-    return model.to(dtype)
+def base_dtype(config) -> torch.dtype:
+    """A LoRA base never learns: under bf16 (autocast or mixed precision) it is held in bf16 (half the
+    memory); adapters stay fp32.
+    Everything else keeps fp32 master weights."""
+    bf16 = config.precision == "bf16" or config.mixed_precision == "bf16"
+    return torch.bfloat16 if config.lora and bf16 else torch.float32
 
 
 def configure_trainable(model, *, objective: str, lora: dict | None, train_router: bool) -> int:
     """Choose what learns; returns the number of trainable parameters.
 
     Full training: everything but the routers (frozen unless asked). LoRA: only the adapters. The
-    autoregressive baseline never runs the decoder, so its self-conditioning block stays frozen.
+    autoregressive baseline never runs the decoder, so its self-conditioning block stays frozen; a vision
+    tower never sees an image here, so it stays frozen too.
     """
     if lora is not None:
         apply_lora(model, **lora)
@@ -107,27 +101,10 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
                 block.router.requires_grad_(False)
     if objective == "ar":
         model.self_conditioning.requires_grad_(False)
+    for tower in (model.vision_tower, model.embed_vision):  # training is text-only: carried through unchanged
+        if tower is not None:
+            tower.requires_grad_(False)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if n == 0:
         raise ConfigError("nothing to train: every parameter is frozen")
     return n
-
-
-def make_exporter(model, *, lora_scale: float | None, tokenizer_dir: str | None):
-    """export(full_state, folder): a Hugging Face folder from a full (unsharded) state dict, LoRA merged."""
-    from dgemma.model import DiffusionGemma
-
-    config, sampling = model.config, model.sampling_config
-    hf_config, hf_generation = model.hf_config, model.hf_generation_config
-    source = tokenizer_dir or getattr(model, "source_dir", None)
-
-    def export(full_state: dict[str, torch.Tensor], folder: Path):
-        state = merge_lora_state(full_state, lora_scale) if lora_scale is not None else full_state
-        with torch.device("meta"):
-            plain = DiffusionGemma(config, sampling)
-        plain.load_state_dict(state, assign=True, strict=True)
-        plain.hf_config, plain.hf_generation_config = hf_config, hf_generation
-        plain.source_dir = source  # tokenizer files are copied from here
-        save_pretrained(plain, folder)
-
-    return export

@@ -1,16 +1,20 @@
-"""Checkpoints that a run killed at any moment resumes from, written without pickle.
+"""Checkpoints that a run killed at any moment resumes from, written by every process at once.
 
     OUT/checkpoints/step-0000200/
-        model/                      Hugging Face format (LoRA merged): load_model and transformers read it
-        adapter.safetensors         LoRA runs only: the unmerged adapters (the base is rebuilt from its source)
-        optimizer.safetensors       AdamW moments and step counts, "<parameter name>/<key>"
+        state/                      torch.distributed.checkpoint (DCP) in safetensors: the weights that learn
+                                    ("model.*": all of them, or the LoRA adapters) and AdamW's moments and
+                                    step counts ("optim.state.*"); one file per process, each shard's place
+                                    in the full tensor in the file's metadata
         rng-rank00000.safetensors   each process's torch RNG states as uint8 tensors
-        trainer_state.json          step, samples consumed (the data position), the run's config, param groups
+        trainer_state.json          step, samples consumed (the data position), the run's config, world size
 
-A checkpoint is written into `.step-0000200.tmp` and renamed into place when complete, so every
-`step-*` folder is whole; leftovers of a killed write are removed on resume. The data order, the noise
-and the learning rate are pure functions of (seed, step), so step + weights + optimizer + RNG is the
-whole state of a run.
+Each process writes its own shards; nothing is gathered. A checkpoint is written into
+`.step-0000200.tmp` and renamed into place when complete, so every `step-*` folder is whole; leftovers of a
+killed write are removed on resume. DCP reshards on load, so a run resumes on another number of processes.
+Nothing is pickled: tensors are safetensors, the rest JSON.
+The data order, the noise and the learning rate are pure functions of (seed, step), so step + weights +
+optimizer + RNG is the whole state of a run. `dgemma export` turns a checkpoint into a Hugging Face folder
+(`dgemma.training.export`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from safetensors.torch import load_file, save_file
 
 from dgemma.training import distributed as D
 from dgemma.training.distributed import DistEnv
-from dgemma.training.lora import adapter_state
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -58,28 +61,8 @@ def remove_partial_writes(out: Path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer and RNG state <-> flat tensors
+# RNG state <-> flat tensors
 # ---------------------------------------------------------------------------------------------
-def flatten_optimizer_state(osd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """{"state": {name: {key: tensor}}, "param_groups": [...]} -> tensors + JSON-able groups."""
-    tensors = {}
-    for name, per_param in osd["state"].items():
-        for key, value in per_param.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            tensors[f"{name}/{key}"] = t.detach().cpu().contiguous().clone()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd["param_groups"]]
-    return tensors, groups
-
-
-def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
-    state: dict[str, dict] = {}
-    for flat, t in tensors.items():
-        name, _, key = flat.rpartition("/")
-        state.setdefault(name, {})[key] = t
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
-    return {"state": state, "param_groups": groups}
-
-
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -96,26 +79,22 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device):
 # ---------------------------------------------------------------------------------------------
 # Save / load
 # ---------------------------------------------------------------------------------------------
+STATE = "state"  # the DCP folder inside a checkpoint
+
+
 def save_checkpoint(out: Path, step: int, *, env: DistEnv, model, optimizer, trainer_state: dict,
-                    export, lora: bool, keep: int) -> Path:
-    """Collective: every process calls it. `export(full_state, folder)` writes the HF model folder."""
+                    lora: bool, keep: int) -> Path:
+    """Collective: every process calls it and writes its own shards."""
     final = checkpoint_dir(out, step)
     tmp = final.with_name(f".{final.name}.tmp")
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     D.barrier(env)
-    model_state = D.full_model_state(model)  # main process: every tensor, on CPU; others: {}
-    optim_state = D.full_optimizer_state(model, optimizer)
+    D.save_state(tmp / STATE, model, optimizer, frozen_too=not lora)
     save_file(rng_state(env.device), str(tmp / f"rng-rank{env.rank:05d}.safetensors"))
     if env.is_main:
-        export(model_state, tmp / "model")
-        if lora:
-            adapters = {n: t.contiguous() for n, t in adapter_state(model_state).items()}
-            save_file(adapters, str(tmp / "adapter.safetensors"))
-        tensors, groups = flatten_optimizer_state(optim_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        meta = {**trainer_state, "world_size": env.world_size, "optimizer_param_groups": groups}
+        meta = {**trainer_state, "world_size": env.world_size}
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
     D.barrier(env)
     if env.is_main:
@@ -131,19 +110,36 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, *, env: DistEnv, model, optimizer, lora: bool) -> dict:
-    """Restore weights (adapters for LoRA), optimizer and this process's RNG; returns trainer_state."""
-    from dgemma.model.checkpoint import load_model
-
+    """Restore the weights that learn, the optimizer and this process's RNG; returns trainer_state. The
+    checkpoint may come from another number of processes (DCP reshards)."""
     path = Path(path)
     meta = read_trainer_state(path)
-    if lora:
-        weights = load_file(str(path / "adapter.safetensors"))
-    else:
-        weights = load_model(path / "model").state_dict()
-    D.load_model_state(model, weights, strict=not lora)
-    optim = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["optimizer_param_groups"])
-    D.load_optimizer_state(model, optimizer, optim)
+    D.load_state(path / STATE, model, optimizer, frozen_too=not lora)
     rng_file = path / f"rng-rank{env.rank:05d}.safetensors"
     if rng_file.is_file():  # absent when resuming on more processes than wrote the checkpoint
         restore_rng(load_file(str(rng_file)), env.device)
     return meta
+
+
+def _stored(folder: Path) -> dict:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
+
+
+def read_model_tensors(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors of a checkpoint's stored weights (all, or `names`), read in this process alone: for
+    export and inspection. Names are the training model's (LoRA runs: `...q_proj.lora_A`, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    folder = Path(path) / STATE
+    available = _stored(folder)
+    names = list(available) if names is None else names
+    out = {n: torch.empty(available[n].size, dtype=available[n].properties.dtype) for n in names}
+    if out:
+        D.quiet_single_process()
+        dcp.load({f"model.{n}": t for n, t in out.items()}, storage_reader=HuggingFaceStorageReader(str(folder)),
+                 no_dist=True)
+    return out
