@@ -253,7 +253,7 @@ def open_checkpoint(path: Path) -> tuple[DiffusionGemma, LoadPlan, dict[str, Sto
     stored = read_headers(path)
     config = without_missing_vision(config, stored)
     with torch.device("meta"):
-        model = DiffusionGemma(config, sampling).to(dtype)  # quantised modules compute in the model dtype
+        model = DiffusionGemma(config, sampling)
     model.hf_config, model.hf_generation_config = cfg, gen
     model.source_dir = path
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -270,7 +270,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     checkpoint key's fate ("read" / "skipped: why")."""
     path = Path(path)
     model, plan, stored = open_checkpoint(path)
-
+    model.to(dtype)  # on the meta device still: the quantised modules compute in the model dtype
     quantised = swap_modules(model, quantize) if quantize else {}  # filled as their tensors are read
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, key in plan.sources.items():
