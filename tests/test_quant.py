@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.model.quant import QuantExperts, QuantLinear, dequantize_tensor, quantize_tensor, weight_bytes
+import copy
+
+from dgemma.model import quant
+from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
+                                use_cpu_int4_kernel, weight_bytes)
 
 
 @pytest.mark.parametrize("fmt,tol", [("int8", 0.01), ("int4", 0.15)])
@@ -87,3 +91,60 @@ def test_quantised_model_refuses_to_save(tmp_path, hf_checkpoints):
     with pytest.raises(ValueError, match="quantised model cannot be saved"):
         dgemma.save_pretrained(quant, tmp_path / "q")
     assert not (tmp_path / "q").exists()
+
+
+def _tiny_quantised(fmt, dtype, seed=0):
+    torch.manual_seed(seed)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).to(dtype).eval()
+    return quantize_model(model, fmt)
+
+
+def _step_logits(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(2, 64)
+    with torch.no_grad():
+        model.encode(torch.randint(3, 128, (2, 8), generator=g), cache, return_logits=False)
+        return model.denoise(torch.randint(3, 128, (2, 16), generator=g), cache)
+
+
+def test_cpu_int4_kernel_matches_the_dequantising_path():
+    """bf16 int4 on a CPU runs torch's int4 matmul on repacked weights; the same weights through the
+    dequantise-then-matmul path give the same logits up to bf16 rounding (its scales are bf16)."""
+    plain = _tiny_quantised("int4", torch.bfloat16)
+    kernel = copy.deepcopy(plain)
+    assert use_cpu_int4_kernel(kernel)
+    linear, experts = kernel.layers[0].mlp.gate_proj, kernel.layers[0].experts
+    assert linear.kernel_layout and experts.kernel_layout
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ref = plain.layers[0].mlp.gate_proj(x).float()
+    assert (linear(x).float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    # the weights read back through the kernel are the dequantised ones (bf16 scales)
+    assert torch.allclose(linear.weight.float(), plain.layers[0].mlp.gate_proj.weight.float(), rtol=1e-2, atol=1e-4)
+    # the experts, with the routing held fixed (a random model's routers flip on any rounding)
+    x = torch.randn(12, 64, dtype=torch.bfloat16)
+    weights, ids = torch.rand(12, 2), torch.randint(0, 4, (12, 2))
+    ref = plain.layers[0].experts(x, weights, ids).float()
+    assert (experts(x, weights, ids).float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert _step_logits(kernel).isfinite().all()
+    assert not use_cpu_int4_kernel(_tiny_quantised("int4", torch.float32))  # fp32: the dequantising path
+
+
+def test_quantised_experts_dequantise_once_per_layer_when_batched(monkeypatch):
+    """All at once (the CUDA default, forced here on CPU): 2 dequantisations per layer and step, against 2 per
+    active expert; the same outputs (fp32: the grid's matmuls against the per-expert ones)."""
+    model = _tiny_quantised("int8", torch.float32)
+    per_expert_calls = []
+    for all_at_once in (False, True):
+        monkeypatch.setattr(QuantExperts, "dequantize_all", all_at_once)
+        quant.dequantize_calls = 0
+        logits = _step_logits(model)
+        per_expert_calls.append(quant.dequantize_calls)
+        if not all_at_once:
+            reference = logits
+    layers = model.config.num_layers
+    linears = sum(isinstance(m, QuantLinear) for m in model.modules())
+    # encode (prompt) + denoise (canvas): each a forward through every layer; every QuantLinear once a forward
+    # (the decoder-only self-conditioning MLP runs once, the encoder skips it)
+    assert per_expert_calls[1] == 2 * (2 * layers) + 2 * linears - 3
+    assert per_expert_calls[0] > per_expert_calls[1]
+    assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4)

@@ -87,12 +87,11 @@ def run(args):
         model = dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
         name = args.model
     else:
-        config = dgemma.get_preset(args.config)
-        model = dgemma.DiffusionGemma(config).to(device=device, dtype=dtype).eval()
-        if args.quantize:
-            from dgemma.model.quant import quantize_model
+        from dgemma.model.random_weights import random_model
 
-            quantize_model(model, args.quantize)
+        # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
+        model = random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
+                             seed=args.seed)
         name = f"preset {args.config} (random weights)"
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
@@ -105,11 +104,12 @@ def run(args):
     hf = None
     if not args.no_transformers:
         if args.quantize:
-            print("note: transformers runs the unquantised weights", file=sys.stderr)
+            print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
+                  "same shape)"), file=sys.stderr)
         hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
         with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
             hf = timing.load_transformers(f"{folder}/model", hf_dtype, device)
-    print(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
+    print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
     rows, budgets = [], {}
@@ -130,7 +130,7 @@ def run(args):
 
     def check_memory(batch: int, engine_timed, prefix: str = ""):
         # before a run, memory already holds weights, runtime and the allocated KV cache; during generation
-        # it may grow by one (B, L, V) fp32 buffer, within 10% of the whole. On CUDA that is the GPU's
+        # it may grow by one (B, L, V) fp32 buffer, within 10% of the whole (at most 256 MB). On CUDA that is the GPU's
         # allocated memory (torch.cuda.max_memory_allocated), not the host's resident set.
         budget = budgets.setdefault(batch, timing.memory_budget(model, batch, need))
         budget.update(engine_timed.memory_record(budget["logits_buffer_bytes"], prefix))
@@ -212,10 +212,10 @@ def _dense_copy(model, args, dtype, device):
 
     if args.model:
         return dgemma.load_model(args.model, device="cpu", dtype=dtype)
-    import torch
+    from dgemma.model.random_weights import random_model
 
-    torch.manual_seed(args.seed)
-    return dgemma.DiffusionGemma(dgemma.get_preset(args.config)).to(dtype=dtype)
+    # random codes have no dense original: dense random weights of the same shape and seed
+    return random_model(dgemma.get_preset(args.config), dtype=dtype, seed=args.seed)
 
 
 def _table(rows):

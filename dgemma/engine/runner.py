@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from dgemma.device_sync import to_device
+from dgemma.model.network import device_vocab_chunk_rows
 
-# Self-conditioning embeddings are made position-chunk by position-chunk from the probabilities buffer,
-# so the temporaries stay (chunk, V) next to the one (B, L, V) buffer.
-SOFT_CHUNK_ELEMENTS = 1 << 24
+# Self-conditioning embeddings are made a block of positions at a time from the probabilities buffer, so the
+# temporaries stay (block, V) next to the one (B, L, V) buffer; the block depends on the device.
 
 
 class Runner:
@@ -56,7 +56,7 @@ class Runner:
         so the model-dtype copy of the probabilities stays a (chunk, V) temporary."""
         L, V = probs.shape
         out = torch.empty(L, self.hidden_size, dtype=self.model.dtype, device=self.device)
-        step = max(1, SOFT_CHUNK_ELEMENTS // V)
+        step = device_vocab_chunk_rows(L, V, probs.device, self.model.embed_tokens.weight.element_size())
         for a in range(0, L, step):
             out[a : a + step] = self.model.soft_embedding_from_probs(probs[a : a + step])
         return out

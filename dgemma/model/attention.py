@@ -17,6 +17,7 @@ decoder writes the canvas's own keys/values there and attends to one contiguous 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dgemma.config import ModelConfig
 from dgemma.device_sync import host_read, to_device
@@ -50,6 +51,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+# The most attention scores one call materialises. With a boolean mask and GQA, and on full layers (head dim
+# 512, above the flash kernels' limit), SDPA runs its math kernel, which holds (B, Hq, T, S) fp32 scores and
+# their softmax: 4.3 GB each for an 8k-token prefill at the 26B shape. Longer calls go a block of queries at
+# a time; each query's row is computed alone either way, so blocks change nothing but the peak
+# (benchmarks/attention_memory.py).
+SCORE_CHUNK_ELEMENTS = 1 << 26
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              chunk_elements: int = SCORE_CHUNK_ELEMENTS) -> torch.Tensor:
+    """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None -> (B, Hq, T, D), scale 1."""
+    B, Hq, T, _ = q.shape
+    S = k.shape[2]
+    rows = max(1, chunk_elements // (B * Hq * S))
+    if rows >= T:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+    out = q.new_empty(B, Hq, T, v.shape[-1])
+    for a in range(0, T, rows):
+        block_mask = None if mask is None else mask[:, :, a : a + rows]
+        out[:, :, a : a + rows] = F.scaled_dot_product_attention(q[:, :, a : a + rows], k, v, attn_mask=block_mask,
+                                                                 scale=1.0, enable_gqa=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

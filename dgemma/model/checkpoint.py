@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import load_dense_into, swap_modules
+from dgemma.model.quant import load_dense_into, swap_modules, use_cpu_int4_kernel
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -270,7 +270,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     checkpoint key's fate ("read" / "skipped: why")."""
     path = Path(path)
     model, plan, stored = open_checkpoint(path)
-
+    model.to(dtype)  # on the meta device still: the quantised modules compute in the model dtype
     quantised = swap_modules(model, quantize) if quantize else {}  # filled as their tensors are read
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, key in plan.sources.items():
@@ -285,11 +285,13 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
                         tensor = f.get_tensor(key)
                     except (SafetensorError, OSError, RuntimeError) as e:
                         raise CheckpointError(f"{file}: cannot read {key} ({e})") from None
-                    tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                    target = dtype if tensor.is_floating_point() else tensor.dtype
                     if name in quantised:
-                        load_dense_into(quantised[name], name, tensor)
+                        load_dense_into(quantised[name], name, tensor.to(device=device, dtype=target))
                     else:
-                        loaded[name] = tensor
+                        # a copy: the tensor safetensors returns lives in the shard's memory map, and one kept
+                        # view would keep every page of the shard read so far resident
+                        loaded[name] = tensor.to(device=device, dtype=target, copy=True)
                     del tensor
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
@@ -299,6 +301,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
     del loaded
     model.quantization = quantize
+    use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
     model.load_report = plan.report
     return model.eval()
 

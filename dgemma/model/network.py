@@ -22,6 +22,7 @@ from dgemma.device_sync import host_read
 from dgemma.model.attention import (
     KVCache,
     apply_rope,
+    attention,
     canvas_mask,
     causal_mask,
     image_blocks,
@@ -34,8 +35,33 @@ from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
 
 
-# The eager LM head writes its fp32 logits this many elements at a time (see `DiffusionGemma.head`).
+# The eager LM head writes its fp32 logits a block of positions at a time (see `DiffusionGemma.head`), and
+# self-conditioning embeddings are made a block at a time; `vocab_chunk_rows` picks the block.
 HEAD_CHUNK_ELEMENTS = 1 << 20
+VOCAB_MIN_ROWS = 64
+
+
+def vocab_chunk_rows(rows: int, vocab: int, device_type: str, free_bytes: int | None = None,
+                     element_bytes: int = 2) -> int:
+    """Positions per matmul against the (V, H) table, for `rows` positions: every matmul reads the whole table
+    (1.48 GB at the 26B shape), and each leaves a (block, V) model-dtype temporary beside the fp32 buffer.
+
+    On a GPU: all rows in one matmul when that temporary takes at most a quarter of the free memory
+    (`free_bytes`), else the most that do. On a CPU: HEAD_CHUNK_ELEMENTS per block (cache-sized for small
+    vocabularies), but never fewer than VOCAB_MIN_ROWS positions, so a 262k vocabulary is not read 64 times
+    for one 256-token canvas (a 32 MB temporary).
+    """
+    if device_type == "cuda":
+        if free_bytes is None:
+            return rows
+        return max(1, min(rows, free_bytes // 4 // (vocab * element_bytes)))
+    return max(1, min(rows, max(VOCAB_MIN_ROWS, HEAD_CHUNK_ELEMENTS // vocab)))
+
+
+def device_vocab_chunk_rows(rows: int, vocab: int, device: torch.device, element_bytes: int = 2) -> int:
+    """`vocab_chunk_rows` for a tensor's device (asks CUDA for its free memory)."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return vocab_chunk_rows(rows, vocab, device.type, free, element_bytes)
 
 
 class Attention(nn.Module):
@@ -82,7 +108,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H)."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
         B, _, T, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -288,7 +314,7 @@ class DiffusionGemma(nn.Module):
         else:
             flat = normed.reshape(-1, normed.shape[-1])
             logits = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=flat.device)
-            rows = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+            rows = device_vocab_chunk_rows(flat.shape[0], weight.shape[0], flat.device, flat.element_size())
             for a in range(0, flat.shape[0], rows):
                 logits[a : a + rows] = F.linear(flat[a : a + rows], weight)
             logits = logits.view(*normed.shape[:-1], weight.shape[0])

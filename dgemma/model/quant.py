@@ -6,57 +6,92 @@ dtype: the entropy-bound sampler accepts tokens by the entropy of these logits, 
 it run many more steps (seen in the MLX port), while the table is only 3% of the weights.
 
 Quantising happens while loading (`load_model(..., quantize="int4")`): modules are swapped on the meta
-device first and each dense tensor is quantised the moment it is read, so peak memory stays near the
-quantised size.
+device first and each dense tensor is quantised the moment it is read, a chunk of rows at a time, so peak
+memory stays near the quantised size plus one shard.
+
+Running them: by default a weight is dequantised (through fp32) when its module runs, expert by expert for
+the fused experts. On CUDA, experts serving many tokens are dequantised all at once into one shared buffer
+(`QuantExperts.dequantize_all`). A bf16 int4 model on a CPU is repacked for torch's CPU int4 matmul
+(`use_cpu_int4_kernel`), which never materialises the dense weight.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma.model.experts import Experts
+from dgemma.model.layers import gated_gelu
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
 
 
+# Quantising works through this many weights at a time, so its fp32 temporaries stay a few tens of MB
+# whatever the tensor (a 26B expert tensor is 0.5G weights: whole, the clip search would need ~10 GB).
+QUANT_CHUNK_ELEMENTS = 1 << 22
+# Dequantising a whole stack of experts goes through fp32 this many weights at a time.
+DEQUANT_CHUNK_ELEMENTS = 1 << 26
+
+dequantize_calls = 0  # dequantize_tensor calls outside compiled graphs (tests count them per step)
+
+
 def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int | None = None):
     """w (..., out, in) -> (q, scales). int8: q int8 (..., out, in); int4: q uint8 (..., out, in/2), two
     nibbles per byte. scales (..., out, in/group) fp16 with w ≈ q * scale per group (2 bytes a group:
-    int4 costs 0.5625 bytes a weight with groups of 32)."""
+    int4 costs 0.5625 bytes a weight with groups of 32). Rows are quantised a chunk at a time."""
     *lead, out_f, in_f = w.shape
     group_size = group_size or GROUP_SIZE[fmt]
     if in_f % group_size:
         group_size = in_f  # fall back to one group per row for odd widths
+    rows = w.reshape(-1, in_f)
+    q = torch.empty(rows.shape[0], in_f // 2 if fmt == "int4" else in_f,
+                    dtype=torch.uint8 if fmt == "int4" else torch.int8, device=w.device)
+    scales = torch.empty(rows.shape[0], in_f // group_size, dtype=torch.float16, device=w.device)
+    step = max(1, QUANT_CHUNK_ELEMENTS // in_f)
+    for a in range(0, rows.shape[0], step):
+        q[a : a + step], scales[a : a + step] = _quantize_rows(rows[a : a + step], fmt, group_size)
+    return q.view(*lead, out_f, q.shape[-1]), scales.view(*lead, out_f, scales.shape[-1])
+
+
+def _quantize_rows(w: torch.Tensor, fmt: str, group_size: int):
+    """w (n, in) -> q (n, in or in/2), scales (n, in/group) fp16."""
+    n, in_f = w.shape
     qmax = 127 if fmt == "int8" else 7
     qmin = -qmax - 1 if fmt == "int4" else -qmax
-    groups = w.float().reshape(*lead, out_f, in_f // group_size, group_size)
+    groups = w.float().reshape(n, in_f // group_size, group_size)
     absmax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
     # int4 has 16 levels: clipping the largest weights a little lowers the error of all the others.
     # Per group, keep the clip ratio with the least squared error (int8 has enough levels not to need it).
-    ratios = (1.0,) if fmt == "int8" else (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-    best_err = best_scale = None
-    for r in ratios:
-        scale = absmax * r / qmax
-        err = (torch.round(groups / scale).clamp(qmin, qmax) * scale - groups).pow(2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_err, best_scale = err, scale
-        else:
-            better = err < best_err
-            best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    best_scale = absmax / qmax
+    if fmt == "int4":
+        best_err = None
+        for r in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75):
+            scale = absmax * r / qmax
+            err = (torch.round(groups / scale).clamp_(qmin, qmax).mul_(scale).sub_(groups)).square_().sum(-1, keepdim=True)
+            if best_err is None:
+                best_err, best_scale = err, scale
+            else:
+                better = err < best_err
+                best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
     best_scale = best_scale.to(torch.float16).float()  # stored as fp16: quantise against what is stored
-    q = torch.round(groups / best_scale).clamp(qmin, qmax).to(torch.int8)
-    scales = best_scale.squeeze(-1).to(torch.float16)
-    q = q.reshape(*lead, out_f, in_f)
+    q = torch.round(groups / best_scale).clamp_(qmin, qmax).to(torch.int8).reshape(n, in_f)
     if fmt == "int4":
         nibbles = (q + 8).to(torch.uint8)  # 0..15
         q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return q, scales
+    return q, best_scale.squeeze(-1).to(torch.float16)
 
 
-def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """(q, scales) of `quantize_tensor` -> weights (..., out, in) in `dtype` (computed in fp32, rounded
+    once); into `out` when given."""
+    global dequantize_calls
+    if not torch.compiler.is_compiling():
+        dequantize_calls += 1
     if fmt == "int4":
         low = (q & 0x0F).to(torch.int8) - 8
         high = (q >> 4).to(torch.int8) - 8
@@ -64,7 +99,31 @@ def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: to
     *lead, out_f, in_f = q.shape
     groups = scales.shape[-1]
     w = q.reshape(*lead, out_f, groups, in_f // groups).float() * scales.float()[..., None]
-    return w.reshape(*lead, out_f, in_f).to(dtype)
+    w = w.reshape(*lead, out_f, in_f)
+    if out is None:
+        return w.to(dtype)
+    return out.copy_(w)
+
+
+def random_quantized(shape: tuple[int, ...], fmt: str, std: float, generator: torch.Generator | None = None,
+                     device=None):
+    """Random (q, scales) for a (..., out, in) weight, made directly in the quantised format (no dense
+    copy): codes uniform over the format's levels, every scale std / (the levels' standard deviation),
+    so the dequantised weights have standard deviation ~std. For benchmarks of the full-size model."""
+    *lead, out_f, in_f = shape
+    group = GROUP_SIZE[fmt] if in_f % GROUP_SIZE[fmt] == 0 else in_f
+    packed = (*lead, out_f, in_f // 2 if fmt == "int4" else in_f)
+    n = math.prod(packed)
+    # random bytes, 8 at a time (3x faster than drawing bytes: 13 GB of int4 codes take ~1.5 min on 2 cores)
+    words = torch.empty(-(-n // 8), dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1, generator=generator)
+    q = words.view(torch.uint8)[:n].view(packed)
+    if fmt == "int4":
+        level_std = (((16**2) - 1) / 12) ** 0.5  # uniform over -8..7
+    else:
+        q = q.view(torch.int8)
+        level_std = (((256**2) - 1) / 12) ** 0.5  # uniform over -128..127
+    scales = torch.full((*lead, out_f, in_f // group), std / level_std, dtype=torch.float16, device=device)
+    return q, scales
 
 
 class QuantLinear(nn.Module):
@@ -83,18 +142,38 @@ class QuantLinear(nn.Module):
         # the dense tensor's device wins: while loading, this module still sits on the meta device
         self.qweight, self.scales = quantize_tensor(weight, self.fmt)
 
+    kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
+
     @property
     def weight(self) -> torch.Tensor:
+        if self.kernel_layout:
+            return _kernel_dequantize(self.qweight, self.scales, self.in_features, self.compute_dtype)
         return dequantize_tensor(self.qweight, self.scales, self.fmt, self.compute_dtype)
 
     def forward(self, x):
+        if self.kernel_layout and x.dtype == self.compute_dtype:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP_SIZE["int4"], self.scales)
+            return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype))
 
 
 class QuantExperts(Experts):
-    """Fused experts with quantised (E, out, in) tensors; one expert is dequantised when it runs."""
+    """Fused experts with quantised (E, out, in) tensors.
 
-    batched = False  # dequantising every expert at once would cost the memory quantisation saved
+    Two ways to run them:
+      per expert  -- each active expert is dequantised when it runs (2 dequantisations per active expert):
+                     the least memory, and what a few tokens (AR decoding) need;
+      all at once -- both tensors of every expert are dequantised into one reusable (E, out, in) buffer
+                     per shape, shared by all layers, then the dense paths run (the grouped GEMM on CUDA,
+                     the padded grid elsewhere): a handful of dequantisation calls per layer instead of
+                     up to 2 E small ones, at the cost of one layer's experts in the model dtype.
+    `dequantize_all`: None picks all at once on CUDA when there are at least as many (token, choice)
+    entries as experts; True / False force a way (tests force it on CPU).
+    """
+
+    batched = False  # the per-expert way; the dequantised view below is a plain `Experts`
+    dequantize_all: bool | None = None
 
     def __init__(self, base: Experts, fmt: str, dtype: torch.dtype):
         nn.Module.__init__(self)
@@ -114,15 +193,130 @@ class QuantExperts(Experts):
         setattr(self, f"{name}_q", q)
         setattr(self, f"{name}_scales", s)
 
+    @property
+    def gate_up_proj(self):  # Experts.forward reads the expert count from this tensor's first dim
+        return self.gate_up_proj_q
+
+    kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
+
+    def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
+        if not (self.kernel_layout and grouped_x.dtype == self.compute_dtype):
+            return super()._per_expert(grouped_x, counts)
+        mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, GROUP_SIZE["int4"]
+        sorted_out = torch.empty_like(grouped_x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            hidden = gated_gelu(mm(grouped_x[start : start + n], self.gate_up_proj_q[e], group, self.gate_up_proj_scales[e]))
+            sorted_out[start : start + n] = mm(hidden.contiguous(), self.down_proj_q[e], group, self.down_proj_scales[e])
+            start += n
+        return sorted_out
+
     def expert_weights(self, e: int):
+        if self.kernel_layout:
+            h = self.down_proj_q.shape[1]
+            return (_kernel_dequantize(self.gate_up_proj_q[e], self.gate_up_proj_scales[e], h, self.compute_dtype),
+                    _kernel_dequantize(self.down_proj_q[e], self.down_proj_scales[e], self.gate_up_proj_q.shape[1] // 2,
+                                       self.compute_dtype))
         return (
             dequantize_tensor(self.gate_up_proj_q[e], self.gate_up_proj_scales[e], self.fmt, self.compute_dtype),
             dequantize_tensor(self.down_proj_q[e], self.down_proj_scales[e], self.fmt, self.compute_dtype),
         )
 
-    @property
-    def gate_up_proj(self):  # Experts.forward reads the expert count from this tensor's first dim
-        return self.gate_up_proj_q
+    def route(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        all_at_once = self.dequantize_all
+        if all_at_once is None:
+            all_at_once = x.is_cuda and experts.numel() >= self.num_experts
+        if self.kernel_layout:
+            all_at_once = False
+        if not all_at_once:
+            return super().route(x, experts)
+        return _Dequantised(self.dequantized("gate_up_proj"), self.dequantized("down_proj")).route(x, experts)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """All experts' `name` tensor (E, out, in) in the model dtype, in a buffer shared by every layer
+        (valid until the next layer's call), dequantised a block of experts at a time."""
+        q, scales = getattr(self, f"{name}_q"), getattr(self, f"{name}_scales")
+        E, out_f = q.shape[:2]
+        in_f = q.shape[2] * 2 if self.fmt == "int4" else q.shape[2]
+        key = (name, E, out_f, in_f, self.compute_dtype, q.device)
+        buffer = _DEQUANTIZED.get(key)
+        if buffer is None:
+            buffer = _DEQUANTIZED[key] = torch.empty(E, out_f, in_f, dtype=self.compute_dtype, device=q.device)
+        step = max(1, DEQUANT_CHUNK_ELEMENTS // (out_f * in_f))
+        for a in range(0, E, step):
+            dequantize_tensor(q[a : a + step], scales[a : a + step], self.fmt, self.compute_dtype, out=buffer[a : a + step])
+        return buffer
+
+
+# (name, E, out, in, dtype, device) -> the buffer `QuantExperts.dequantized` fills, one per shape
+_DEQUANTIZED: dict[tuple, torch.Tensor] = {}
+
+
+class _Dequantised(Experts):
+    """Plain experts over borrowed dense (E, out, in) tensors: the dense routing paths, unchanged."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+
+# -- torch's CPU int4 matmul ------------------------------------------------------------------------------
+# `aten._weight_int4pack_mm_for_cpu` multiplies bf16 activations by int4 weights in its own blocked layout,
+# dequantising in registers: ~4-17x faster than dequantising a 26B expert (then a bf16 matmul) on 2 cores,
+# and the only way the 26B-A4B shape runs at a usable speed on a CPU. Its scales are bf16 (ours fp16: the
+# repacked weights round each group's scale once more, a relative 2^-9).
+def cpu_int4_kernel_applies(model: nn.Module, device: torch.device | None = None, dtype=None) -> bool:
+    """Whether `use_cpu_int4_kernel` applies: an int4 model in bf16 on a CPU (its device and dtype, or those
+    given for a model still on the meta device)."""
+    device, dtype = device or model.device, dtype or model.dtype
+    return (getattr(model, "quantization", None) in ("int4", None) and device.type == "cpu"
+            and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def kernel_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Our fp16 scales (..., N, K/g) -> the kernel's (..., K/g, N, 2) scales and zero offsets (0: symmetric)."""
+    scales = scales.transpose(-1, -2).to(dtype)
+    return torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+
+
+def _to_kernel_layout(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    """Ours (N, K/2) nibbles + (N, K/g) fp16 scales -> the kernel's (N, K/2) layout and scales."""
+    codes = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2).to(torch.int32)  # (N, K) 0..15
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), kernel_scales(scales, dtype)
+
+
+def _kernel_dequantize(packed: torch.Tensor, scale_zeros: torch.Tensor, in_features: int, dtype) -> torch.Tensor:
+    """The kernel layout's weights (N, K) in `dtype`, read back through the kernel (identity activations)."""
+    eye = torch.eye(in_features, dtype=scale_zeros.dtype, device=packed.device)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, GROUP_SIZE["int4"], scale_zeros).t().to(dtype)
+
+
+@torch.no_grad()
+def use_cpu_int4_kernel(model: nn.Module) -> bool:
+    """Repack every int4 module of a bf16 CPU model for torch's CPU int4 matmul, tensor by tensor (expert by
+    expert: never a second copy of the weights). Returns whether it applied (see `cpu_int4_kernel_applies`)."""
+    if model.quantization != "int4" or not cpu_int4_kernel_applies(model):
+        return False
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and not module.kernel_layout and module.in_features % GROUP_SIZE["int4"] == 0:
+            module.qweight, module.scales = _to_kernel_layout(module.qweight, module.scales, module.compute_dtype)
+            module.kernel_layout = True
+        elif isinstance(module, QuantExperts) and not module.kernel_layout:
+            if module.down_proj_q.shape[-1] * 2 % GROUP_SIZE["int4"] or module.gate_up_proj_q.shape[-1] * 2 % GROUP_SIZE["int4"]:
+                continue
+            for name in ("gate_up_proj", "down_proj"):
+                q, scales = getattr(module, f"{name}_q"), getattr(module, f"{name}_scales")
+                for e in range(q.shape[0]):  # in place: the kernel's layout has the same (N, K/2) bytes
+                    packed, scale_zeros = _to_kernel_layout(q[e], scales[e], module.compute_dtype)
+                    q[e] = packed
+                    if e == 0:
+                        new_scales = scales.new_empty((q.shape[0], *scale_zeros.shape), dtype=scale_zeros.dtype)
+                    new_scales[e] = scale_zeros
+                setattr(module, f"{name}_scales", new_scales)
+            module.kernel_layout = True
+    return True
 
 
 def swap_modules(model: nn.Module, fmt: str) -> dict[str, nn.Module]:
@@ -166,6 +360,7 @@ def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
     dense = {name: t for name, t in model.state_dict().items()}
     for name, module in swap_modules(model, fmt).items():
         load_dense_into(module, name, dense[name])
+    model.quantization = fmt
     return model
 
 
