@@ -89,7 +89,7 @@ def test_sharded_load_equals_the_full_load_and_bf16_compute_is_near_fp32(base_mo
     params = sum(p.numel() * p.element_size() for p in single.parameters())
     assert sum(r["held_bytes"] for r in ranks) == params
     assert all(r["held_bytes"] < 0.6 * params for r in ranks)
-    assert ranks[0]["held_bytes"] == memory_plan(config, world_size=2, micro_batch=1, seq=16, lora=LORA)["parameters"]
+    assert ranks[0]["held_bytes"] == memory_plan(single.config, world_size=2, micro_batch=1, seq=16, lora=LORA)["parameters"]
 
 
 def _train_args(data: Path, out: Path, model: Path, *extra: str) -> list[str]:
