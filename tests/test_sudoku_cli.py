@@ -41,7 +41,7 @@ def test_prepare_writes_disjoint_augmented_sets(tmp_path):
     minimal, _ = S.read_puzzle_file(tmp_path / "test_minimal.txt")
     assert len(minimal) == 1 and minimal[0].givens < 24 and S.has_unique_solution(minimal[0].puzzle)
     low, _ = S.read_puzzle_file(tmp_path / "train_low.txt")
-    assert len(low) == 2 and all(21 <= e.givens <= 27 for e in low)
+    assert len(low) == 2 and all(22 <= e.givens <= 27 for e in low)
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
     assert len(lines) == 12 * 3 + 2 * 2  # low-givens puzzles with their own number of copies
     first = json.loads(lines[0])

@@ -26,10 +26,12 @@ def add_arguments(p):
     prep.add_argument("--validation", type=int, default=0,
                       help="also write val_<bucket>.txt with this many puzzles per bucket, for tuning decoding")
     prep.add_argument("--minimal", type=int, default=None, metavar="N",
-                      help="test (and validation) puzzles of the minimal bucket, 21-23 givens, which cost about "
-                           "1.5 s each (default: --per-bucket and --validation)")
+                      help="test puzzles of the minimal bucket, 21-23 givens, which cost about 1.5 s each "
+                           "(default: --per-bucket)")
+    prep.add_argument("--minimal-validation", type=int, default=None, metavar="N",
+                      help="validation puzzles of the minimal bucket (default: --minimal, at most --validation)")
     prep.add_argument("--low-train", type=int, default=0, metavar="N",
-                      help="also N training puzzles with 21-27 givens (train_low.txt), drawn after the held-out sets")
+                      help="also N training puzzles with 22-27 givens (train_low.txt), drawn after the held-out sets")
     prep.add_argument("--low-augment", type=int, default=None, metavar="K",
                       help="symmetry-transformed copies per low-givens puzzle in train.jsonl (default: --augment)")
     prep.add_argument("--workers", type=int, default=1, help="generating processes (same files for any number)")
@@ -73,16 +75,19 @@ def _prepare(args):
     from dgemma.tasks.sudoku_grid import random_transform
 
     low_augment = args.augment if args.low_augment is None else args.low_augment
-    counts = (args.augment, args.per_bucket, args.validation, args.low_train, low_augment, args.minimal or 0)
+    counts = (args.augment, args.per_bucket, args.validation, args.low_train, low_augment, args.minimal or 0,
+              args.minimal_validation or 0)
     if args.train < 1 or min(counts) < 0 or args.workers < 1:
         raise UsageError("--train and --workers must be >= 1; --augment, --per-bucket, --validation, --minimal, "
                          "--low-train and --low-augment >= 0")
     out = Path(args.out)
-    sizes = {"test": args.per_bucket, "validation": args.validation}
-    if args.minimal is not None:  # the minimal bucket's own count; the others keep theirs
-        sizes = {k: {**dict.fromkeys(sudoku.BUCKETS, n), "minimal": args.minimal} if n else 0
-                 for k, n in sizes.items()}
-    print(f"generating {args.train} training puzzles (+{args.low_train} with 21-27 givens), test and validation "
+    minimal_test = args.per_bucket if args.minimal is None else args.minimal
+    minimal_val = min(args.validation, minimal_test if args.minimal_validation is None else args.minimal_validation)
+    # the minimal bucket has its own counts (its puzzles cost ~100x more); the other buckets keep theirs
+    sizes = {"test": {**dict.fromkeys(sudoku.BUCKETS, args.per_bucket), "minimal": minimal_test},
+             "validation": {**dict.fromkeys(sudoku.BUCKETS, args.validation), "minimal": minimal_val}}
+    sizes = {k: v if any(v.values()) else 0 for k, v in sizes.items()}
+    print(f"generating {args.train} training puzzles (+{args.low_train} with 22-27 givens), test and validation "
           f"sets per bucket ({sizes['test']}, {sizes['validation']}) ...", file=sys.stderr)
     paths = sudoku.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=sizes["test"],
                                validation_per_bucket=sizes["validation"], low_train=args.low_train,
