@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/dgemma sudoku solve
+	$(BIN)/dgemma sudoku solve --rounds 8
 
 clean:
 	rm -rf $(VENV)

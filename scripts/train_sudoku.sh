@@ -28,7 +28,7 @@ OUT=${OUT:-runs/sudoku-$OBJECTIVE}
 OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
 DATA3=${DATA3:-runs/sudoku-data-v2}
 INIT3=${INIT3:-$OUT2/checkpoints/step-$(printf %07d "$UNTIL2")/model}
-STEPS3=${STEPS3:-600}
+STEPS3=${STEPS3:-200}
 UNTIL3=${UNTIL3:-$STEPS3}
 OUT3=${OUT3:-runs/sudoku-$OBJECTIVE-stage3}
 [ "$STAGE" = 3 ] || [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
@@ -46,5 +46,5 @@ if [ "$STAGE" = 3 ]; then
   [ -f "$DATA3/train.jsonl" ] || dgemma sudoku prepare --out "$DATA3" --train 20000 --augment 0 --per-bucket 300 \
     --validation 300 --minimal 100 --minimal-validation 40 --low-train 500 --low-augment 19 --workers 3 --seed 0
   dgemma train --model "$INIT3" --data "$DATA3/train.jsonl" "${COMMON[@]}" --augment sudoku \
-    --steps "$STEPS3" --until "$UNTIL3" --lr 2e-4 --min-lr 2e-5 --warmup-steps 50 --seed 2 --out "$OUT3"
+    --steps "$STEPS3" --until "$UNTIL3" --lr 2e-4 --min-lr 2e-5 --warmup-steps 20 --seed 2 --out "$OUT3"
 fi

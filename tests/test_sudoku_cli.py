@@ -140,3 +140,37 @@ def test_shipped_models_and_their_training_records():
     assert baseline["step"] == 1500 and baseline["config"]["objective"] == "ar"
     assert {k: v for k, v in baseline["config"].items() if k not in ("objective", "out", "until")} == {
         k: v for k, v in stage1["config"].items() if k not in ("objective", "out", "until")}
+
+
+def test_search_flags_report_forwards_rounds_and_seconds(tmp_path, random_sudoku_model):
+    """An untrained model never satisfies the rules checker, so every round and candidate runs."""
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(S.grid_to_string(e.puzzle) for e in S.generate_examples(2, givens=(30, 45), seed=6)))
+    single = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "1")
+    searched = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--steps", "1",
+                   "--rounds", "3", "--candidates", "2")
+    assert single.returncode == 0 and searched.returncode == 0, single.stderr + searched.stderr
+    one, many = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (single, searched))
+    assert one["forwards_per_puzzle"] == 1 and one["mean_rounds"] == 1 and one["seconds_per_puzzle"] > 0
+    assert (many["rounds"], many["candidates"]) == (3, 2)
+    assert many["forwards_per_puzzle"] == 1 * 3 * 2 and many["mean_rounds"] == 3
+    assert many["verifier_accepted"] == 0 and many["solved"] == 0
+    solve = run("solve", "--model", str(random_sudoku_model), "--no-live", "--steps", "2", "--rounds", "2")
+    assert solve.returncode == 1, solve.stderr
+    assert "denoised again in round 2" in solve.stdout and "not accepted in round 2" in solve.stdout
+    bad = run("eval", "--file", str(f), "--model", str(random_sudoku_model), "--rounds", "0")
+    assert bad.returncode == 2 and ">= 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ar_without_model_is_the_shipped_ar_baseline(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(S.grid_to_string(e.puzzle) for e in S.generate_examples(3, givens=(40, 45), seed=9)))
+    proc = run("eval", "--file", str(f), "--ar", "--candidates", "2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["model"].endswith("sudoku-ar") and result["mode"] == "ar"
+    # the diffusion model's encoder, decoded left to right, keeps under 10% of the givens; the baseline ~all
+    assert result["givens_kept"] > 0.9
+    assert 1 <= result["samples_per_puzzle"] <= 2 and result["forwards_per_puzzle"] == 81 * result["samples_per_puzzle"]
+    solve = run("solve", "--ar", "--no-live")
+    assert solve.returncode in (0, 1) and "left to right" in solve.stdout, solve.stderr

@@ -33,6 +33,7 @@ from dgemma.tasks.sudoku import (
     random_transform,
     read_puzzle_file,
     score,
+    rule_violations,
     solution_errors,
     solve,
     transpose,
@@ -245,6 +246,23 @@ def test_checker_catches_each_kind_of_invalid_grid():
     assert not is_valid_solution(empty, None)
     assert not is_valid_solution(empty, full[:80])
     assert not is_valid_solution(empty, tuple(10 if i == 0 else v for i, v in enumerate(full)))
+
+
+def test_rule_violations_name_the_clashing_cells_and_changed_givens():
+    full, puzzle = parse_puzzle(WIKI_SOLUTION), parse_puzzle(WIKI)
+    assert rule_violations(puzzle, full) == []
+    # cells 0 and 9 swapped: same column and box, so only rows 1 and 2 repeat a digit, at 4 cells
+    grid = swapped(full, 0, 9)
+    expected = {0, 9, full.index(full[9]), 9 + full[9:18].index(full[0])}
+    assert set(rule_violations((0,) * 81, grid)) == expected
+    # with the puzzle's givens: the swapped cells are changed givens, a clashing kept given is not rejected
+    assert puzzle[0] and puzzle[9]
+    assert set(rule_violations(puzzle, grid)) == {i for i in expected if not puzzle[i] or grid[i] != puzzle[i]}
+    # a cell without a digit, alone: nothing else clashes
+    assert rule_violations((0,) * 81, tuple(0 if i == 40 else v for i, v in enumerate(full))) == [40]
+    # a valid grid with other digits: only the givens break a rule
+    relabelled = tuple(v % 9 + 1 for v in full)
+    assert rule_violations(puzzle, relabelled) == [i for i in range(81) if puzzle[i]]
 
 
 # -- symmetry and canonical form -------------------------------------------------------------------
@@ -483,3 +501,21 @@ def test_score_counts_buckets_and_cells():
     assert result["givens_kept"] == pytest.approx(30 / (30 + 45 + 30))
     with pytest.raises(ValueError):
         score([wiki], [])
+
+
+def test_sudoku_verifier_rejects_the_units_of_a_clash():
+    from dgemma.tasks.sudoku_eval import SudokuVerifier
+
+    full, puzzle = parse_puzzle(WIKI_SOLUTION), parse_puzzle(WIKI)
+    tokens = encode_solution(full)
+    assert SudokuVerifier(puzzle)(tokens) == [] and SudokuVerifier(puzzle, "cells")(tokens) == []
+    blank = next(i for i in range(81) if not puzzle[i])
+    broken = list(tokens)
+    broken[blank] = tokens[blank] % 9 + 4  # another digit token
+    cells = SudokuVerifier(puzzle, "cells")(broken)
+    units = SudokuVerifier(puzzle)(broken)
+    assert blank in cells and set(cells) <= set(units)
+    row, col = divmod(blank, 9)
+    assert {i for i in range(row * 9, row * 9 + 9) if not puzzle[i]} <= set(units)
+    assert {i for i in range(col, 81, 9) if not puzzle[i]} <= set(units)
+    assert not any(puzzle[i] for i in units)  # no given was changed, so none is rejected

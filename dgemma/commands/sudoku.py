@@ -10,6 +10,7 @@ from pathlib import Path
 from dgemma.commands._common import UsageError, add_denoising_arguments, add_revision_argument, denoising_overrides
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
+SHIPPED_AR = SHIPPED.parent / "sudoku-ar"  # the AR baseline: same data, size and steps, next-token loss
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
 # test or validation puzzles.
 SAMPLE_PUZZLE = "308150070907342000512086930070600420605408009024070563701060090003200050296000000"
@@ -48,7 +49,6 @@ def add_arguments(p):
     ev = sub.add_parser("eval", help="solve every puzzle of a file; per-bucket accuracy, JSON last")
     ev.add_argument("--file", required=True, help="one puzzle per line (81 chars, 0 or . blank; ',solution' ignored)")
     _model_arguments(ev)
-    ev.add_argument("--ar", action="store_true", help="decode with the AR baseline (left to right)")
     ev.add_argument("--batch", type=int, default=32, help="puzzles denoised together (default 32)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N puzzles")
     ev.add_argument("--plot", default=None, help="write a PNG of the order in which cells get fixed")
@@ -57,8 +57,16 @@ def add_arguments(p):
 
 def _model_arguments(p):
     p.add_argument("--model", default=None,
-                   help=f"model folder or Hugging Face id (default: the shipped model, {SHIPPED.name})")
+                   help=f"model folder or Hugging Face id (default: the shipped model, {SHIPPED.name}; with "
+                        f"--ar the shipped AR baseline, {SHIPPED_AR.name})")
     add_revision_argument(p)
+    p.add_argument("--ar", action="store_true",
+                   help="decode left to right (greedy; with --rounds/--candidates, best of rounds x candidates "
+                        "samples checked by the rules)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="verifier rounds: cells that break a rule are denoised again, the rest kept (default 1)")
+    p.add_argument("--candidates", type=int, default=1,
+                   help="seeds searched side by side; the first answer the rules accept wins (default 1)")
     p.add_argument("--clamp", action="store_true", help="fix the givens through the canvas template")
     add_denoising_arguments(p.add_argument_group("sampling (defaults from the model's generation_config.json)"))
     p.add_argument("--seed", type=int, default=0)
@@ -118,7 +126,9 @@ def _load(args):
 
     from dgemma.model import load_model
 
-    folder = Path(args.model) if args.model else SHIPPED
+    if args.rounds < 1 or args.candidates < 1:
+        raise UsageError("--rounds and --candidates must be >= 1")
+    folder = Path(args.model) if args.model else (SHIPPED_AR if args.ar else SHIPPED)
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
                          " (the shipped model is missing from this checkout; train one with scripts/train_sudoku.sh)"))
@@ -140,42 +150,76 @@ def _solve(args):
     from rich.live import Live
     from rich.text import Text
 
-    from dgemma.engine import Engine, Request
+    from dgemma.engine import Engine
+    from dgemma.engine.search import Search
     from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_eval import MAX_LENGTH, answer_grid, givens_template
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH, SudokuVerifier, answer_grid, givens_template
 
     try:
         puzzle = sudoku.parse_puzzle(args.puzzle)
     except ValueError as e:
         raise UsageError(f"bad puzzle: {e}") from None
     model = _load(args)
+    console = Console()
+    if args.ar:
+        return _solve_ar(model, puzzle, args, console)
     sampling = _sampling(model, args)
     fixed, tokens = givens_template(puzzle) if args.clamp else (None, None)
-    console = Console()
     live = None if args.no_live else Live(console=console, refresh_per_second=15, transient=True)
+    search = Search.start(sudoku.encode_prompt(puzzle), sampling, seed=args.seed, verifier=SudokuVerifier(puzzle),
+                          max_rounds=args.rounds, candidates=args.candidates, fixed=fixed, fixed_tokens=tokens,
+                          want_drafts=live is not None)
 
-    def on_event(event):
-        if event.kind == "draft" and live is not None:
+    def on_event(event, candidate):
+        if event.kind == "draft" and live is not None and candidate == 0:  # the display follows candidate 0
             grid = sudoku.decode_canvas(event.tokens) or (0,) * 81
-            text = Text(f"step {event.step + 1}\n", style="bold")
+            text = Text(f"round {search.candidates[0].round}, step {event.step + 1}\n", style="bold")
             text.append(_grid_text(puzzle, grid, event.accepted))
             live.update(text)
+        elif event.kind == "round":
+            who = f"candidate {candidate}: " if len(search.candidates) > 1 else ""
+            console.print(f"{who}round {event.step - 1}: {len(event.tokens)} cells rejected by the rules, "
+                          f"denoised again in round {event.step} ({81 - len(event.tokens)} kept)")
 
-    request = Request(prompt=sudoku.encode_prompt(puzzle), sampling=sampling, seed=args.seed, fixed=fixed,
-                      fixed_tokens=tokens, want_drafts=live is not None, on_event=on_event)
-    engine = Engine(model, max_batch=1, max_length=MAX_LENGTH)
-    engine.submit(request)
+    for r in search.candidates:
+        r.on_event = lambda e, j=r.candidate: on_event(e, j)
+    engine = Engine(model, max_batch=len(search.candidates), max_length=MAX_LENGTH)
+    for r in search.candidates:
+        engine.submit(r)
     if live is not None:
         with live:
-            engine.run_until_done([request])
+            engine.run_until_done(search.candidates)
     else:
-        engine.run_until_done([request])
+        engine.run_until_done(search.candidates)
+    request, found = search.winner, search.stats()
     grid = answer_grid(request.tokens)
-    errors = sudoku.solution_errors(puzzle, grid)
     console.print(sudoku.format_grid(grid))
     stats = request.stats()
     console.print(f"{stats['denoising_steps']} denoising steps, {stats['tokens_per_forward']:.1f} cells per forward, "
                   f"{stats['elapsed_s']:.2f} s")
+    if args.rounds > 1 or args.candidates > 1:
+        console.print(f"search: {'accepted' if found['accepted'] else 'not accepted'} in round {found['rounds']}"
+                      + (f" of candidate {found['candidate']}" if args.candidates > 1 else "")
+                      + f", {found['forwards']} decoder forwards in all")
+    return _verdict(console, puzzle, grid)
+
+
+def _solve_ar(model, puzzle, args, console):
+    from dgemma.tasks import sudoku
+    from dgemma.tasks.sudoku_eval import answer_grid, evaluate
+
+    evaluation = evaluate(model, [puzzle], batch=1, seed=args.seed, rounds=args.rounds, candidates=args.candidates)
+    console.print(sudoku.format_grid(answer_grid(evaluation.answers[0])))
+    d = evaluation.decoding
+    console.print(f"left to right: {d['samples_per_puzzle']:.0f} sample(s), {d['forwards_per_puzzle']:.0f} forwards, "
+                  f"{d['seconds_per_puzzle']:.2f} s")
+    return _verdict(console, puzzle, answer_grid(evaluation.answers[0]))
+
+
+def _verdict(console, puzzle, grid) -> int:
+    from dgemma.tasks import sudoku
+
+    errors = sudoku.solution_errors(puzzle, grid)
     if errors:
         console.print(f"[bold red]INVALID[/]: {'; '.join(errors[:3])}")
         return 1
@@ -223,10 +267,11 @@ def _eval(args):
     puzzles = [e.puzzle for e in examples]
     start = time.perf_counter()
     evaluation = evaluate(model, puzzles, batch=args.batch, sampling=None if args.ar else _sampling(model, args),
-                          clamp=args.clamp, seed=args.seed, run=_run_with_progress)
+                          clamp=args.clamp, seed=args.seed, run=_run_with_progress, rounds=args.rounds,
+                          candidates=args.candidates)
     result = {
         **evaluation.scores,
-        "model": str(args.model or SHIPPED),
+        "model": str(args.model or (SHIPPED_AR if args.ar else SHIPPED)),
         "mode": "ar" if args.ar else ("diffusion-clamped" if args.clamp else "diffusion"),
         "elapsed_s": round(time.perf_counter() - start, 2), "skipped_lines": len(bad),
         **evaluation.decoding,
@@ -247,6 +292,9 @@ def _print_table(result: dict):
     print(f"{'all':<8}{result['solved']:>8}{result['total']:>8}{result['accuracy']:>10.3f}   [{lo:.3f}, {hi:.3f}]")
     print(f"cell accuracy {result['cell_accuracy']:.3f}, blank-cell accuracy {result['blank_accuracy']:.3f}, "
           f"givens kept {result['givens_kept']:.3f}")
+    print(f"{result['forwards_per_puzzle']:.1f} forwards and {result['seconds_per_puzzle']:.3f} s per puzzle, "
+          f"{100 * result['verifier_accepted']:.1f}% accepted by the rules checker"
+          + (f", {result['mean_rounds']:.2f} rounds on average" if "mean_rounds" in result else ""))
     if "mean_denoising_steps" in result:
         print(f"{result['mean_denoising_steps']:.1f} denoising steps per puzzle, {result['tokens_per_forward']:.1f} "
               f"cells per forward, {100 * result['accepted_later_changed']:.1f}% of accepted cells later changed")

@@ -20,6 +20,9 @@ request with seed s yields what `dgemma.generation.generate` yields for that pro
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
 exactly as the plain loop does it. A request's `images` are encoded with its prompt (the vision tower runs
 in its prefill) and released; from then on it steps like any other row.
+A request with a `verifier` is checked when its output is complete; a rejected output is denoised
+again with the accepted positions kept (dgemma.generation.verify says how), and candidates of one prompt
+(a Search, search.py) step side by side until one is accepted.
 `submit` and `cancel` may be called from other threads; `step` runs on one.
 """
 
@@ -35,7 +38,9 @@ from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
+from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos, template_slice
+from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, sampler_step, temperature_schedule
 from dgemma.sampling.sampler import scan_logits
 
@@ -107,8 +112,9 @@ class Engine:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit: the engine holds "
                                  f"{self.max_length} positions")
             return
-        if request.constraint is not None and request.fixed is not None:
-            raise ValueError("a canvas template and a constraint cannot be combined")
+        if request.constraint is not None and (request.fixed is not None or request.verifier is not None):
+            raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
+        check_search(request.max_rounds, 1)
         self._check_images(request)
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
@@ -126,6 +132,9 @@ class Engine:
 
     # -- the loop (one thread) -----------------------------------------------------------------
     def step(self):
+        for r in self.active:  # verifier candidates that can no longer win leave now
+            if r.search is not None and r.search.cannot_win(r):
+                r.cancel_requested = True
         for r in self.scheduler.take_cancelled():
             if not (r.scoring and r.row is not None):  # a batch being scored finishes its own requests
                 self._finish(r, "cancelled")
@@ -140,7 +149,8 @@ class Engine:
 
                 r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
             self.runner.prefill(r.row, r.prompt, r.images)
-            r.images = None  # the pixels are in the cache now
+            if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
+                r.images = None
             self._start_canvas(r)
         if to_score:
             self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens))
@@ -158,10 +168,18 @@ class Engine:
             self.step()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int] | None = None,
-                 templates=None, constraints=None, images=None, on_event=None) -> list[Request]:
+                 templates=None, constraints=None, images=None, on_event=None, verifier=None, max_rounds: int = 1,
+                 candidates: int = 1) -> list[Request]:
         """Convenience: submit every prompt (seed i defaults to sampling.seed + i, or random) and run.
         constraints[i]: prompt i's TokenAutomaton (dgemma.structured) or None; images[i]: its ImageInputs
-        (dgemma.images) or None."""
+        (dgemma.images) or None. `verifier` (one for all prompts or a list, dgemma.generation.verify):
+        search up to `max_rounds` rounds with `candidates` seeds per prompt; the winning candidate's
+        request is returned (`request.search.stats()`: rounds, forwards, which candidate won)."""
+        if verifier is not None:
+            return self._generate_searches(prompts, sampling, seeds, templates, on_event, verifier, max_rounds,
+                                           candidates, constraints, images)
+        if max_rounds != 1 or candidates != 1:
+            raise ValueError("max_rounds and candidates need a verifier")
         requests = []
         for i, prompt in enumerate(prompts):
             if seeds is not None:
@@ -181,6 +199,25 @@ class Engine:
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
         return requests
+
+    def _generate_searches(self, prompts, sampling, seeds, templates, on_event, verifier, max_rounds, candidates,
+                           constraints, images) -> list[Request]:
+        if constraints is not None or images is not None:
+            raise ValueError("Engine.generate's verifier search takes no constraints or images")
+        checks = verifiers_for(verifier, len(prompts))
+        searches = []
+        for i, prompt in enumerate(prompts):
+            seed = seeds[i] if seeds is not None else (sampling.seed + i if sampling.seed is not None
+                                                       else int(torch.randint(0, 2**62, ()).item()))
+            fixed, tokens = (templates[i] if templates is not None else (None, None))
+            searches.append(Search.start(prompt, sampling, seed=seed, verifier=checks[i], max_rounds=max_rounds,
+                                         candidates=candidates, fixed=fixed, fixed_tokens=tokens, on_event=on_event))
+        requests = [r for s in searches for r in s.candidates]
+        for r in requests:
+            self.check_fits(r)
+            self.scheduler.add(r, bounded=False)
+        self.run_until_done(requests)
+        return [s.winner for s in searches]
 
     def score(self, prompts: list[list[int]], top: int = 1) -> list[Request]:
         """Convenience: score every prompt (`Request.scores`), with `top` alternatives per position."""
@@ -293,7 +330,8 @@ class Engine:
                 r.t_first_canvas = time.perf_counter()
             r.emit(Event("canvas", r.request_id, r.canvas_index, tokens=new))
             if hit_eos or budget <= self.canvas_length:
-                self._finish(r, "stop" if hit_eos else "length")
+                if not self._verify(r):
+                    self._finish(r, "stop" if hit_eos else "length")
                 continue
             continuing_rows.append(r.row)
             continuing_canvases.append(canvas_tokens)
@@ -303,6 +341,28 @@ class Engine:
             for r in continuing:
                 r.canvas_index += 1
                 self._start_canvas(r)
+
+    def _verify(self, r: Request) -> bool:
+        """A complete output meets the request's verifier: True when a new round starts (the verifier
+        rejected positions and rounds are left), False when the request finishes."""
+        if r.verifier is None:
+            return False
+        r.rejected = rejected_positions(r.verifier, r.tokens)
+        r.accepted = not r.rejected
+        if r.accepted or r.round >= r.max_rounds:
+            return False
+        if r.base_template is None:
+            r.base_template = (r.fixed, r.fixed_tokens)
+        r.fixed, r.fixed_tokens = next_template(*r.base_template, r.tokens, r.rejected)
+        r.round += 1
+        r.accepted = None
+        r.emit(Event("round", r.request_id, r.canvas_index, step=r.round, tokens=list(r.rejected)))
+        if r.canvas_index > 0:  # the row holds committed canvases: start again from the prompt alone
+            self.runner.free([r.row])
+            self.runner.prefill(r.row, r.prompt, r.images)
+        r.tokens, r.canvas_index = [], 0
+        self._start_canvas(r)
+        return True
 
     def _finish(self, r: Request, reason: str):
         r.finish_reason = reason

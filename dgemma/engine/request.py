@@ -28,11 +28,13 @@ class Event:
     """What a request reports to its owner. A scoring request reports only "finished" (reason "scored"),
     its scores on the request."""
 
-    kind: str  # "draft" | "canvas" | "finished"
+    kind: str  # "draft" | "canvas" | "round" | "finished"
     request_id: str
     canvas_index: int
     step: int = 0
-    tokens: list[int] = field(default_factory=list)  # "canvas": new tokens; "draft": the argmax canvas
+    # "canvas": new tokens; "draft": the argmax canvas; "round": the positions the verifier rejected,
+    # which the round that starts now (number `step`) re-noises
+    tokens: list[int] = field(default_factory=list)
     entropy: list[float] | None = None  # "draft": per position
     accepted: list[bool] | None = None  # "draft": per position
     finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled" | "scored"
@@ -57,6 +59,12 @@ class Request:
     # (released once the prompt is encoded)
     images: object | None = None
     on_event: Callable[[Event], None] | None = None
+    # dgemma.generation.verify: tokens -> rejected positions, checked when the output is complete; a
+    # rejected output is denoised again (up to max_rounds rounds) with the accepted positions kept
+    verifier: Callable | None = None
+    max_rounds: int = 1
+    search: object | None = None  # the dgemma.engine.search.Search this request is a candidate of
+    candidate: int = 0  # its index there
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     # state, owned by the engine
@@ -73,6 +81,8 @@ class Request:
     canvas_fixed_tokens: torch.Tensor | None = None
     answer: object | None = None  # dgemma.structured.ConstrainedAnswer while a constrained request runs
     cancel_requested: bool = False
+    round: int = 1  # verifier rounds: the one running (1-based)
+    base_template: tuple | None = None  # the caller's (fixed, fixed_tokens) while later rounds replace them
 
     # output and statistics
     tokens: list[int] = field(default_factory=list)
@@ -84,6 +94,8 @@ class Request:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_canvas: float | None = None
     t_done: float | None = None
+    accepted: bool | None = None  # the verifier's verdict on the final output (None: no verifier)
+    rejected: list[int] | None = None  # positions it rejected in the last round
 
     def emit(self, event: Event):
         if self.on_event is not None:
@@ -108,4 +120,6 @@ class Request:
             "time_to_first_canvas_s": (self.t_first_canvas - self.t_submit) if self.t_first_canvas else None,
             "elapsed_s": elapsed,
             "tokens_per_second": generated / elapsed if elapsed > 0 else 0.0,
+            **({} if self.verifier is None else {"rounds": self.round, "accepted": self.accepted}),
+            **({} if self.search is None else {"search": self.search.stats()}),
         }

@@ -76,6 +76,8 @@ class GenerationResult:
     elapsed_s: float
     tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
     seed: int  # the seed the sampler's generator used
+    # with a verifier, per row: {"accepted", "rounds", "candidate", "forwards" (all candidates'), "rejected"}
+    search: list[dict] | None = None
 
 
 @torch.no_grad()
@@ -91,6 +93,10 @@ def generate(
     constraint=None,
     guide_steps: bool = True,
     images=None,
+    verifier=None,
+    max_rounds: int = 1,
+    candidates: int = 1,
+    generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
@@ -104,6 +110,10 @@ def generate(
     (for measuring what the per-step guidance does; the engine always guides).
     `images`: a dgemma.images.ImageInputs holding the images of all prompts, row by row; their soft tokens
     take the places of the prompts' image tokens (`expand_image_tokens`).
+    `verifier`, `max_rounds`, `candidates`: search with a checker in the loop (dgemma.generation.verify:
+    rejected positions are re-noised, the rest kept, up to max_rounds rounds; best of `candidates` seeds);
+    the result's `search` says, per row, the rounds, forwards, winning candidate and whether it was accepted.
+    `generator`: continue this torch.Generator instead of seeding one (the verifier's later rounds).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -118,6 +128,14 @@ def generate(
       * the reference returns whole canvases (ceil(max_new_tokens / L) of them); here the output is cut
         to max_new_tokens, and a row without an EOS inside that cut finishes with reason "length".
     """
+    if verifier is not None:
+        from dgemma.generation.verify import generate_verified
+
+        return generate_verified(model, prompts, sampling, verifier=verifier, max_rounds=max_rounds,
+                                 candidates=candidates, seed=seed, canvas_template=canvas_template,
+                                 on_canvas=on_canvas, on_draft=on_draft, constraint=constraint, images=images)
+    if max_rounds != 1 or candidates != 1:
+        raise ValueError("max_rounds and candidates need a verifier")
     start_time = time.perf_counter()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
@@ -133,7 +151,8 @@ def generate(
 
     if seed is None:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
 
     # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each

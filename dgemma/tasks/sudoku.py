@@ -43,6 +43,7 @@ from dgemma.tasks.sudoku_grid import (
     propagate_singles,
     random_solution,
     random_transform,
+    rule_violations,
     solution_errors,
     solve,
     transpose,
@@ -51,7 +52,7 @@ from dgemma.tasks.sudoku_grid import (
 __all__ = [
     "Grid", "Example", "Split", "SudokuVocab", "Transform", "BUCKETS", "BUCKET_GIVENS",
     "as_grid", "count_givens", "bucket_of", "solve", "count_solutions", "has_unique_solution",
-    "is_valid_solution", "solution_errors", "propagate_singles", "is_singles_solvable",
+    "is_valid_solution", "rule_violations", "solution_errors", "propagate_singles", "is_singles_solvable",
     "generate_puzzle", "generate_minimal_puzzle", "random_solution", "random_transform", "transpose", "canonical_form",
     "are_equivalent", "parse_puzzle", "read_puzzle_file", "write_examples", "format_grid",
     "grid_to_string", "encode_prompt", "encode_solution", "decode_prompt", "decode_canvas",

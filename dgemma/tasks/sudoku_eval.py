@@ -1,8 +1,10 @@
 """Solving sudoku puzzles with a model and scoring the answers: what `dgemma sudoku solve | eval` run.
 
-Diffusion decoding goes through the engine, one request per puzzle with its own seed (seed + i), and
-records from the drafts when each cell settled and how often an accepted cell was changed later; the
-AR baseline decodes left to right. Either way an answer is exactly one canvas of 81 cells.
+Diffusion decoding goes through the engine, one search per puzzle with its own seed (seed + i): the
+rules checker (SudokuVerifier) sends the cells that break a rule back to the denoiser, up to `rounds`
+rounds, with `candidates` seeds side by side; the drafts record when each cell settled and how often an
+accepted cell was changed later. The AR baseline decodes left to right (best of n samples under the
+same checker). Either way an answer is exactly one canvas of 81 cells.
 """
 
 from __future__ import annotations
@@ -30,6 +32,32 @@ def givens_template(puzzle) -> tuple[torch.Tensor, torch.Tensor]:
     """Givens fixed through the canvas template: (fixed (81,) bool, tokens (81,) long)."""
     filled = [v if v else 1 for v in puzzle]  # blanks get a placeholder that the mask ignores
     return torch.tensor([v != 0 for v in puzzle]), torch.tensor(sudoku.encode_solution(filled))
+
+
+class SudokuVerifier:
+    """The verifier of the denoising search (dgemma.generation.verify) for one puzzle: an answer's tokens ->
+    the cells to denoise again. Rules only, no solving: sudoku_grid.rule_violations finds the cells that
+    break a rule (no digit, a clash in a row, column or box, a changed given). With scope "units" (the
+    default) every non-given cell of a row, column or box holding such a cell is rejected with it: a
+    clash is often caused by a wrong cell elsewhere in its unit, which "cells" would keep fixed."""
+
+    SCOPES = ("units", "cells")
+
+    def __init__(self, puzzle, scope: str = "units"):
+        if scope not in self.SCOPES:
+            raise ValueError(f"scope must be one of {self.SCOPES}, got {scope!r}")
+        self.puzzle, self.scope = tuple(puzzle), scope
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        grid = answer_grid(tokens) or (0,) * CELLS
+        bad = sudoku.rule_violations(self.puzzle, grid)
+        if self.scope == "cells" or not bad:
+            return bad
+        broken, wide = set(bad), set(bad)
+        for unit in sudoku.UNITS:
+            if broken.intersection(unit):
+                wide.update(i for i in unit if not self.puzzle[i])
+        return sorted(wide)
 
 
 def answer_grid(tokens: list[int]):
@@ -78,32 +106,52 @@ class Evaluation:
     scores: dict  # sudoku.score: solved per bucket and overall with 95% intervals, cell accuracies
     decoding: dict = field(default_factory=dict)  # diffusion only: steps, cells per forward, corrections
     settle: list[float] | None = None  # diffusion only: mean step at which each blank cell got fixed
+    answers: list[list[int]] = field(default_factory=list)  # per puzzle: the answer's tokens
 
 
-def evaluate(model, puzzles, *, batch: int, sampling=None, clamp: bool = False, seed: int = 0,
-             run=None) -> Evaluation:
+def evaluate(model, puzzles, *, batch: int, sampling=None, clamp: bool = False, seed: int = 0, run=None,
+             rounds: int = 1, candidates: int = 1) -> Evaluation:
     """Solve every puzzle and score the answers. `sampling` (see `sudoku_sampling`) decodes by diffusion
-    through the engine, `batch` puzzles at a time; None decodes with the AR baseline, greedily.
+    through the engine, `batch` rows at a time; None decodes with the AR baseline. `rounds` and
+    `candidates`: the verifier search (SudokuVerifier, dgemma.generation.verify); for AR, best of
+    rounds x candidates samples (the first greedy) checked by the same verifier.
     `run(engine, requests)` steps the engine until the requests are done (default: without a display)."""
-    if sampling is None:
-        return _evaluate_ar(model, puzzles, batch)
-    from dgemma.engine import Engine, Request
+    import time
 
-    engine = Engine(model, max_batch=batch, max_length=MAX_LENGTH, max_queue=len(puzzles))
-    trackers = [SettleTracker() for _ in puzzles]
-    requests = []
+    start = time.perf_counter()
+    if sampling is None:
+        evaluation = _evaluate_ar(model, puzzles, batch, rounds * candidates, seed)
+    else:
+        evaluation = _evaluate_diffusion(model, puzzles, batch, sampling, clamp, seed, run, rounds, candidates)
+    evaluation.decoding["seconds_per_puzzle"] = (time.perf_counter() - start) / len(puzzles)
+    return evaluation
+
+
+def _evaluate_diffusion(model, puzzles, batch, sampling, clamp, seed, run, rounds, candidates) -> Evaluation:
+    from dgemma.engine import Engine
+    from dgemma.engine.search import Search
+
+    engine = Engine(model, max_batch=batch, max_length=MAX_LENGTH, max_queue=len(puzzles) * candidates)
+    searches, trackers = [], {}
     for i, p in enumerate(puzzles):
         fixed, tokens = givens_template(p) if clamp else (None, None)
-        requests.append(Request(prompt=sudoku.encode_prompt(p), sampling=sampling, seed=seed + i, fixed=fixed,
-                                fixed_tokens=tokens, want_drafts=True,
-                                on_event=lambda e, t=trackers[i]: t.add(e) if e.kind == "draft" else None))
+        search = Search.start(sudoku.encode_prompt(p), sampling, seed=seed + i, verifier=SudokuVerifier(p),
+                              max_rounds=rounds, candidates=candidates, fixed=fixed, fixed_tokens=tokens,
+                              want_drafts=True)
+        for r in search.candidates:
+            trackers[r.request_id] = t = SettleTracker()
+            r.on_event = lambda e, t=t: t.add(e) if e.kind == "draft" else (t.__init__() if e.kind == "round" else None)
+        searches.append(search)
+    requests = [r for s in searches for r in s.candidates]
     for r in requests:
         engine.submit(r)
     (run or Engine.run_until_done)(engine, requests)
 
     steps = forwards_tokens = corrections = accepted_total = 0
     settle, blank_count = [0.0] * CELLS, [0] * CELLS  # summed over the puzzles where the cell is blank
-    for r, t in zip(requests, trackers):
+    winners = [s.winner for s in searches]
+    for r in winners:
+        t = trackers[r.request_id]  # the drafts of the winner's last round
         steps += sum(r.steps_per_canvas)
         forwards_tokens += r.committed_non_pad
         changed, total = t.corrections()
@@ -114,25 +162,54 @@ def evaluate(model, puzzles, *, batch: int, sampling=None, clamp: bool = False, 
                 settle[cell] += s
                 blank_count[cell] += 1
     settle = [s / n if n else float("nan") for s, n in zip(settle, blank_count)]
-    scores = sudoku.score(puzzles, [answer_grid(r.tokens) for r in requests])
+    scores = sudoku.score(puzzles, [answer_grid(r.tokens) for r in winners])
+    stats = [s.stats() for s in searches]
     decoding = {
+        "rounds": rounds, "candidates": candidates,
+        "forwards_per_puzzle": sum(s["forwards"] for s in stats) / len(puzzles),
+        "mean_rounds": sum(s["rounds"] for s in stats) / len(puzzles),
+        "rounds_needed": _histogram(s["rounds"] for s in stats if s["accepted"]),
+        "winning_candidates": _histogram(s["candidate"] for s in stats if s["accepted"]),
+        "verifier_accepted": sum(s["accepted"] for s in stats) / len(puzzles),
         "mean_denoising_steps": steps / len(puzzles),
         "tokens_per_forward": forwards_tokens / steps if steps else 0.0,
         "accepted_later_changed": corrections / accepted_total if accepted_total else 0.0,
         "mean_fix_step_of_blank_cells": [round(s, 2) for s in settle],
     }
-    return Evaluation(scores, decoding, settle)
+    return Evaluation(scores, decoding, settle, [r.tokens for r in winners])
 
 
-def _evaluate_ar(model, puzzles, batch: int) -> Evaluation:
+def _histogram(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in sorted(values):
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
+
+
+def _evaluate_ar(model, puzzles, batch: int, samples: int, seed: int) -> Evaluation:
+    """Greedy left to right; with samples > 1, puzzles whose answer the verifier rejects are sampled again
+    (temperature 1, seeded) until one is accepted or `samples` answers were drawn."""
     from dgemma.generation import generate_ar
+    from dgemma.generation.verify import candidate_seed
 
-    answers = []
-    for i in range(0, len(puzzles), batch):
-        chunk = puzzles[i : i + batch]
-        answers += generate_ar(model, [sudoku.encode_prompt(p) for p in chunk], CELLS,
-                               eos_token_ids=())  # exactly 81 cells, as the diffusion canvas
-    return Evaluation(sudoku.score(puzzles, [answer_grid(a) for a in answers]))
+    answers: list[list[int]] = [[] for _ in puzzles]
+    drawn = [0] * len(puzzles)
+    pending = list(range(len(puzzles)))
+    for k in range(samples):
+        for a in range(0, len(pending), batch):
+            chunk = pending[a : a + batch]
+            outs = generate_ar(model, [sudoku.encode_prompt(puzzles[i]) for i in chunk], CELLS, eos_token_ids=(),
+                               temperature=0.0 if k == 0 else 1.0, seed=candidate_seed(seed + a, k))
+            for i, out in zip(chunk, outs):  # exactly 81 cells, as the diffusion canvas
+                answers[i] = out
+                drawn[i] += 1
+        pending = [i for i in pending if SudokuVerifier(puzzles[i])(answers[i])]
+        if not pending:
+            break
+    accepted = len(puzzles) - len(pending)
+    decoding = {"rounds": 1, "candidates": samples, "forwards_per_puzzle": CELLS * sum(drawn) / len(puzzles),
+                "samples_per_puzzle": sum(drawn) / len(puzzles), "verifier_accepted": accepted / len(puzzles)}
+    return Evaluation(sudoku.score(puzzles, [answer_grid(a) for a in answers]), decoding, answers=answers)
 
 
 def plot_settle(settle: list[float], num_puzzles: int, path):

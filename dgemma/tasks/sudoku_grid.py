@@ -164,6 +164,23 @@ def solution_errors(puzzle: Sequence[int], grid: Sequence[int] | None) -> list[s
     return errors
 
 
+def rule_violations(puzzle: Sequence[int], grid: Sequence[int]) -> list[int]:
+    """The cells of `grid` (81 values, 0 or anything outside 1-9 = no digit) that break the rules, sorted:
+    cells without a digit, cells whose digit repeats in their row, column or box (every cell of the
+    clash but a kept given: a given is right by definition), and changed givens. A rules checker only: it
+    never looks for what a cell should hold, so an empty answer means exactly `is_valid_solution`."""
+    bad = {i for i in range(81) if grid[i] not in range(1, 10) or (puzzle[i] and grid[i] != puzzle[i])}
+    for unit in UNITS:
+        seen: dict[int, list[int]] = {}
+        for i in unit:
+            if grid[i] in range(1, 10):
+                seen.setdefault(grid[i], []).append(i)
+        for cells in seen.values():
+            if len(cells) > 1:
+                bad.update(i for i in cells if grid[i] != puzzle[i])
+    return sorted(bad)
+
+
 def is_valid_solution(puzzle: Sequence[int], grid: Sequence[int] | None) -> bool:
     return not solution_errors(puzzle, grid)
 
