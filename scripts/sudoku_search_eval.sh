@@ -7,7 +7,7 @@
 #   scripts/sudoku_search_eval.sh [DATA] [OUT]       N puzzles per bucket (default 100)
 # Then `python scripts/sudoku_search_results.py OUT` prints the tables and draws OUT/search.png.
 # PREFIX runs each eval under a command (e.g. PREFIX=/work/bin/heavy on a shared machine); MODEL and AR_MODEL
-# default to the shipped ones; BUDGETS lists the searches (default "8x8"); BUCKETS the buckets.
+# default to the shipped ones; BUDGETS lists the searches (default "1x1 8x8"), BUCKETS the buckets (empty: none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-runs/sudoku-data-v2}
@@ -15,8 +15,8 @@ OUT=${2:-results/sudoku/search}
 N=${N:-100}
 MODEL=${MODEL:-dgemma/assets/sudoku}
 AR_MODEL=${AR_MODEL:-dgemma/assets/sudoku-ar}
-BUDGETS=${BUDGETS:-1x1 8x8}
-BUCKETS=${BUCKETS:-easy medium hard minimal}
+BUDGETS=${BUDGETS-1x1 8x8}
+BUCKETS=${BUCKETS-easy medium hard minimal}
 mkdir -p "$OUT"
 run() {  # run NAME ARGS...: one eval, its JSON line to OUT/NAME.json
   local name=$1; shift

@@ -15,6 +15,8 @@ from pathlib import Path
 
 BUCKETS = ("easy", "medium", "hard", "minimal")
 GIVENS = {"easy": "40-45", "medium": "30-39", "hard": "24-29", "minimal": "21-23"}
+# the project's targets for the diffusion model (None: report only), single shot and with the 8 x 8 search
+TARGETS = {"easy": (0.99, 1.0), "medium": (0.90, 0.99), "hard": (0.60, 0.95), "minimal": (None, 0.80)}
 NAME = re.compile(r"(?P<model>diffusion|ar)-(?P<rounds>\d+)x(?P<cands>\d+)-(?P<bucket>\w+)\.json$")
 
 
@@ -40,6 +42,17 @@ def main():
     runs = load(out)
     extra = {label: load(Path(path)) for label, path in (a.split("=", 1) for a in sys.argv[2:])}
     budgets = sorted({(k[1], k[2]) for k in runs})
+    print("| bucket | single shot: target | measured | search (8 x 8): target | measured |")
+    print("|---|---|---|---|---|")
+    for b in BUCKETS:
+        marks = []
+        for (rounds, cands), target in zip(((1, 1), (8, 8)), TARGETS[b]):
+            r = runs.get(("diffusion", rounds, cands, b))
+            verdict = "" if r is None or target is None else (" met" if r["accuracy"] >= target else " **not met**")
+            goal = "report" if target is None else f">= {100 * target:.0f}%"
+            marks += [goal, (cell(r) + verdict) if r else "not measured"]
+        print(f"| {b} ({GIVENS[b]}) | " + " | ".join(marks) + " |")
+    print()
     print("| model | search (rounds x candidates) | " + " | ".join(f"{b} ({GIVENS[b]})" for b in BUCKETS) + " |")
     print("|---|---|" + "---|" * len(BUCKETS))
     for label, source in [("diffusion", runs), ("autoregressive", runs)] + [(k, v) for k, v in extra.items()]:
