@@ -6,7 +6,7 @@
 #   speed-<diffusion|ar>-batch<B>.json   (medium puzzles, single shot)
 #   scripts/sudoku_search_eval.sh [DATA] [OUT]       N puzzles per bucket (default 100)
 # Then `python scripts/sudoku_search_results.py OUT` prints the tables and draws OUT/search.png.
-# PREFIX runs each eval under a command (e.g. PREFIX=/work/bin/heavy on a shared machine); MODEL and AR_MODEL
+# PREFIX runs each eval under a command (e.g. PREFIX="nice -n 10"); MODEL and AR_MODEL
 # default to the shipped ones; BUDGETS lists the searches (default "1x1 8x8"), BUCKETS the buckets (empty: none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
