@@ -96,13 +96,24 @@ class Server:
                MODEL, "--api-key", API_KEY, "--automaton-cache", "none", *args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.log = log
-        self.proc = subprocess.Popen(cmd + ["--log-level", "info"], stdout=subprocess.PIPE, stderr=open(log, "w"),
+        # stdout (the address line, then uvicorn's access log) and stderr (tracebacks) share one pipe, drained
+        # into the log file for the whole run: a pipe nobody reads fills after a few hundred access lines and
+        # then blocks the server's event loop on its next log write
+        self.proc = subprocess.Popen(cmd + ["--log-level", "info"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
-        line = self.proc.stdout.readline()
-        if " on http://" not in line:
+        self._log_file = open(log, "w")
+        lines = []
+        for line in self.proc.stdout:
+            self._log_file.write(line)
+            lines.append(line)
+            if " on http://" in line:
+                break
+        else:
             self.proc.kill()
-            raise SystemExit(f"the server did not start: {line!r}")
+            raise SystemExit(f"the server did not start: {''.join(lines[-20:])}")
         self.url = line.rsplit(" on ", 1)[1].strip()
+        self._drain = threading.Thread(target=self._copy_output, daemon=True)
+        self._drain.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -124,6 +135,11 @@ class Server:
                 return
             self.rss.append((time.monotonic() - self.t0, kib / 1024))
 
+    def _copy_output(self):
+        for line in self.proc.stdout:
+            self._log_file.write(line)
+            self._log_file.flush()
+
     def stop(self):
         self._stop.set()
         self.proc.terminate()
@@ -131,6 +147,8 @@ class Server:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self._drain.join(10)
+        self._log_file.close()
 
 
 class Tally:

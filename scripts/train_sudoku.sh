@@ -8,9 +8,15 @@
 #            (--augment sudoku), a new 3,500-step cosine (peak 4e-4, 100 warmup steps) stopped at step
 #            3,000 (UNTIL2; lr there is 6e-5 against the 4e-5 floor).
 #
+#   stage 3  the whole range of givens: from stage 2's weights (INIT3), seed 2, on DATA3 = the same 20,000
+#            puzzles plus 500 with 22-27 givens (x20 symmetric copies each, a third of the lines),
+#            fresh random symmetries at every step, a new cosine from 2e-4 over STEPS3 steps (UNTIL3 stops early).
+#            The AR baseline gets the same stage from its own weights: OBJECTIVE=ar STAGE=3
+#            INIT3=<the AR model> (the same data in the same order, the same steps).
+#
 # The AR baseline is stage 1 with OBJECTIVE=ar UNTIL=1500 STAGE=1: the same data in the same order for the
 # same number of steps as the diffusion model at step 1,500 (its checkpoint is the like-for-like comparison).
-# STAGE=1, 2 or all (default). Resumable: rerun the same command with RESUME=1 after an interruption.
+# STAGE=1, 2, 3 or all (default: 1 and 2). Resumable: rerun the same command with RESUME=1 after an interruption.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-runs/sudoku-data}
@@ -20,14 +26,25 @@ UNTIL=${UNTIL:-4750}
 UNTIL2=${UNTIL2:-3000}
 OUT=${OUT:-runs/sudoku-$OBJECTIVE}
 OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
-[ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
-COMMON=(--objective "$OBJECTIVE" --data "$DATA/train.jsonl" --eos-id 1 --batch-size 64 --precision bf16
-        --encoder-loss-weight 0 --save-every 250 --keep-checkpoints 2 ${RESUME:+--resume})
-if [ "$STAGE" != 2 ]; then
-  dgemma train --init scripts/sudoku-model.json "${COMMON[@]}" --steps 6000 --until "$UNTIL" \
+DATA3=${DATA3:-runs/sudoku-data-v2}
+INIT3=${INIT3:-$OUT2/checkpoints/step-$(printf %07d "$UNTIL2")/model}
+STEPS3=${STEPS3:-200}
+UNTIL3=${UNTIL3:-$STEPS3}
+OUT3=${OUT3:-runs/sudoku-$OBJECTIVE-stage3}
+[ "$STAGE" = 3 ] || [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
+COMMON=(--objective "$OBJECTIVE" --eos-id 1 --batch-size 64 --precision bf16
+        --encoder-loss-weight 0 --save-every "${SAVE_EVERY:-250}" --keep-checkpoints "${KEEP:-2}" ${RESUME:+--resume})
+if [ "$STAGE" = 1 ] || [ "$STAGE" = all ]; then
+  dgemma train --init scripts/sudoku-model.json --data "$DATA/train.jsonl" "${COMMON[@]}" --steps 6000 --until "$UNTIL" \
     --lr 1e-3 --min-lr 1e-4 --warmup-steps 200 --seed 0 --out "$OUT"
 fi
-if [ "$STAGE" != 1 ]; then
-  dgemma train --model "$OUT/checkpoints/step-$(printf %07d "$UNTIL")/model" "${COMMON[@]}" --augment sudoku \
+if [ "$STAGE" = 2 ] || [ "$STAGE" = all ]; then
+  dgemma train --model "$OUT/checkpoints/step-$(printf %07d "$UNTIL")/model" --data "$DATA/train.jsonl" "${COMMON[@]}" --augment sudoku \
     --steps 3500 --until "$UNTIL2" --lr 4e-4 --min-lr 4e-5 --warmup-steps 100 --seed 1 --out "$OUT2"
+fi
+if [ "$STAGE" = 3 ]; then
+  [ -f "$DATA3/train.jsonl" ] || dgemma sudoku prepare --out "$DATA3" --train 20000 --augment 0 --per-bucket 300 \
+    --validation 300 --minimal 100 --minimal-validation 40 --low-train 500 --low-augment 19 --workers 3 --seed 0
+  dgemma train --model "$INIT3" --data "$DATA3/train.jsonl" "${COMMON[@]}" --augment sudoku \
+    --steps "$STEPS3" --until "$UNTIL3" --lr 2e-4 --min-lr 2e-5 --warmup-steps 20 --seed 2 --out "$OUT3"
 fi

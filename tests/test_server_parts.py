@@ -143,3 +143,53 @@ def test_an_engine_failure_fails_its_requests_and_the_worker_goes_on():
 
     assert asyncio.run(main()) == expected
     assert not worker.alive
+
+
+def test_an_internal_error_is_a_500_that_keeps_the_connection():
+    """An unexpected exception is answered 500 in OpenAI's shape, and the client's next request is served on
+    the same kept-alive connection: uvicorn closes a connection whose app raised, and the next request sent
+    on it fails with a ReadError (seen in the soak, beside a 500)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+
+    from dgemma.serving.app import InternalErrors
+
+    app = FastAPI()
+    app.add_middleware(InternalErrors)
+
+    @app.get("/fails")
+    async def fails():
+        raise KeyError("a bug")
+
+    @app.get("/works")
+    async def works():
+        return {"ok": True}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        while not server.started:
+            time.sleep(0.01)
+        with httpx.Client(base_url=url) as client:
+            local_port = lambda r: r.extensions["network_stream"].get_extra_info("socket").getsockname()[1]  # noqa: E731
+            failed = client.get("/fails")
+            first_port = local_port(failed)
+            assert failed.status_code == 500
+            assert failed.json() == {"error": {"message": "internal error: KeyError", "type": "server_error",
+                                               "param": None, "code": None}}
+            time.sleep(0.3)  # time for a close to arrive: a closed connection would not be reused
+            served = client.get("/works")
+            assert served.status_code == 200 and served.json() == {"ok": True}
+            assert local_port(served) == first_port  # the same connection
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -35,16 +35,20 @@ def random_sudoku_model(tmp_path_factory):
 
 def test_prepare_writes_disjoint_augmented_sets(tmp_path):
     proc = run("prepare", "--out", str(tmp_path), "--train", "12", "--augment", "2", "--per-bucket", "2",
-               "--validation", "1")
+               "--validation", "1", "--minimal", "1", "--low-train", "2", "--low-augment", "1", "--workers", "2")
     assert proc.returncode == 0, proc.stderr
     assert len(S.read_puzzle_file(tmp_path / "val_medium.txt")[0]) == 1
+    minimal, _ = S.read_puzzle_file(tmp_path / "test_minimal.txt")
+    assert len(minimal) == 1 and minimal[0].givens < 24 and S.has_unique_solution(minimal[0].puzzle)
+    low, _ = S.read_puzzle_file(tmp_path / "train_low.txt")
+    assert len(low) == 2 and all(22 <= e.givens <= 27 for e in low)
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
-    assert len(lines) == 12 * 3
+    assert len(lines) == 12 * 3 + 2 * 2  # low-givens puzzles with their own number of copies
     first = json.loads(lines[0])
     assert len(first["prompt_ids"]) == 82 and len(first["response_ids"]) == 81
-    train, _ = S.read_puzzle_file(tmp_path / "train.txt")
-    test = sum((S.read_puzzle_file(tmp_path / f"test_{b}.txt")[0] for b in ("easy", "medium", "hard")), [])
-    assert len(test) == 6
+    train = S.read_puzzle_file(tmp_path / "train.txt")[0] + low
+    test = sum((S.read_puzzle_file(tmp_path / f"test_{b}.txt")[0] for b in S.BUCKETS), [])
+    assert len(test) == 7
     keys = {S.canonical_form(e.puzzle) for e in train}
     assert not keys & {S.canonical_form(e.puzzle) for e in test}
 

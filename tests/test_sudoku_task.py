@@ -19,6 +19,7 @@ from dgemma.tasks.sudoku import (
     encode_solution,
     format_grid,
     generate_examples,
+    generate_minimal_puzzle,
     generate_puzzle,
     grid_to_string,
     has_unique_solution,
@@ -46,6 +47,8 @@ WIKI_SOLUTION = "534678912672195348198342567859761423426853791713924856961537284
 # Arto Inkala's "world's hardest sudoku" (2012): unique, and needs far more than singles.
 INKALA = "8..........36......7..9.2...5...7.......457.....1...3...1....68..85...1..9....4.."
 # A generated puzzle where naked singles stall but hidden singles finish (checked independently below).
+# The three buckets that random removal reaches cheaply (the minimal one costs ~1.5 s a puzzle).
+FAST_BUCKETS = {k: BUCKET_GIVENS[k] for k in ("easy", "medium", "hard")}
 NEEDS_HIDDEN = "..3.7.61.68.......714265..8...154...4..89...1.6....5.9.5..8..34..95.7..6.......8."
 
 
@@ -113,6 +116,19 @@ def test_generated_puzzles_hit_target_and_are_unique_by_independent_count(genera
         assert solve(puzzle) == solution
 
 
+def test_minimal_generator_goes_below_random_removal_with_a_unique_solution():
+    # 22 givens: random removal alone stalls at 22-26, the climb gets there in about a second.
+    rng = random.Random(5)
+    for target in (23, 22):
+        puzzle, solution = generate_minimal_puzzle(rng, target)
+        assert count_givens(puzzle) == target
+        assert brute_count(puzzle) == 1  # the naive counter, not the generator's solver
+        assert units_ok(solution) and all(p in (0, s) for p, s in zip(puzzle, solution))
+    assert generate_minimal_puzzle(random.Random(2), 23) == generate_minimal_puzzle(random.Random(2), 23)
+    with pytest.raises(ValueError):
+        generate_minimal_puzzle(random.Random(0), 16)
+
+
 def test_generation_is_deterministic_and_rejects_impossible_targets():
     assert generate_puzzle(random.Random(3), 33) == generate_puzzle(random.Random(3), 33)
     assert generate_puzzle(random.Random(3), 33) != generate_puzzle(random.Random(4), 33)
@@ -157,7 +173,8 @@ def test_two_solutions_found_for_deadly_pattern():
 
 
 def test_bucket_boundaries():
-    assert [bucket_of(g) for g in (81, 40, 39, 30, 29, 17)] == ["easy", "easy", "medium", "medium", "hard", "hard"]
+    assert [bucket_of(g) for g in (81, 40, 39, 30, 29, 24, 23, 17)] == [
+        "easy", "easy", "medium", "medium", "hard", "hard", "minimal", "minimal"]
     for name, (low, high) in BUCKET_GIVENS.items():
         assert bucket_of(low) == bucket_of(high) == name
     assert bucket_of(parse_puzzle(WIKI)) == "medium"  # 30 givens
@@ -317,22 +334,22 @@ def test_make_split_is_deterministic_and_disjoint_up_to_symmetry():
 
 
 def test_bucket_test_sets_exclude_symmetric_copies():
-    sets = make_bucket_test_sets(per_bucket=2, seed=4)
+    sets = make_bucket_test_sets(per_bucket={"easy": 2, "medium": 2, "hard": 2, "minimal": 1}, seed=4)
     assert {name: {e.bucket for e in examples} for name, examples in sets.items()} == {n: {n} for n in BUCKET_GIVENS}
     # Excluding *transformed* copies of the easy set (not byte-equal) must push those puzzles out.
     rng = random.Random(0)
     disguised = [random_transform(rng).apply(e.puzzle) for e in sets["easy"]]
     assert not set(disguised) & {e.puzzle for e in sets["easy"]}
-    again = make_bucket_test_sets(per_bucket=2, seed=4, exclude=disguised)
+    again = make_bucket_test_sets(per_bucket=2, seed=4, exclude=disguised, buckets=FAST_BUCKETS)
     assert not {e.puzzle for e in again["easy"]} & {e.puzzle for e in sets["easy"]}
     assert again["medium"] == sets["medium"] and again["hard"] == sets["hard"]
 
 
 def test_write_split_round_trips(tmp_path):
     givens = {"train_givens": (35, 45), "test_givens": (35, 45)}
-    paths = write_split(tmp_path, n_train=5, n_test=3, seed=3, per_bucket=1, **givens)
+    paths = write_split(tmp_path, n_train=5, n_test=3, seed=3, per_bucket=1, buckets=FAST_BUCKETS, **givens)
     split = make_split(5, 3, seed=3, **givens)
-    buckets = make_bucket_test_sets(1, seed=3, exclude=split.train + split.test)
+    buckets = make_bucket_test_sets(1, seed=3, exclude=split.train + split.test, buckets=FAST_BUCKETS)
     expected = {"train": split.train, "test": split.test, **{f"test_{k}": v for k, v in buckets.items()}}
     for name, examples in expected.items():
         read, errors = read_puzzle_file(paths[name])
@@ -342,14 +359,35 @@ def test_write_split_round_trips(tmp_path):
     assert len(generate_examples(3, (40, 45), seed=0)) == 3
 
 
+def test_minimal_bucket_and_low_train_are_disjoint_and_leave_earlier_sets_unchanged(tmp_path):
+    givens = {"train_givens": (35, 45), "test_givens": (35, 45)}
+    old_buckets = {k: v for k, v in BUCKET_GIVENS.items() if k != "minimal"}
+    before = write_split(tmp_path / "before", n_train=4, n_test=0, seed=6, per_bucket=1, buckets=old_buckets, **givens)
+    after = write_split(tmp_path / "after", n_train=4, n_test=0, seed=6, per_bucket={**dict.fromkeys(old_buckets, 1),
+                        "minimal": 2}, low_train=3, low_givens=(22, 25), workers=2, **givens)
+    for name in ("train", "test_easy", "test_medium", "test_hard"):
+        assert after[name].read_text() == before[name].read_text()
+    minimal, _ = read_puzzle_file(after["test_minimal"])
+    low, _ = read_puzzle_file(after["train_low"])
+    assert len(minimal) == 2 and all(21 <= e.givens <= 23 and e.bucket == "minimal" for e in minimal)
+    assert len(low) == 3 and all(22 <= e.givens <= 25 for e in low)
+    for e in minimal + low:
+        assert brute_count(e.puzzle) == 1 and is_valid_solution(e.puzzle, e.solution)
+    everything = [e for name in ("train", "test_easy", "test_medium", "test_hard", "test_minimal", "train_low")
+                  for e in read_puzzle_file(after[name])[0]]
+    forms = [canonical_form(e.puzzle) for e in everything]
+    assert len(set(forms)) == len(forms)
+
+
 def test_validation_sets_are_disjoint_and_leave_every_other_file_unchanged(tmp_path):
     givens = {"train_givens": (35, 45), "test_givens": (35, 45)}
-    plain = write_split(tmp_path / "plain", n_train=5, n_test=2, seed=3, per_bucket=2, **givens)
-    with_val = write_split(tmp_path / "val", n_train=5, n_test=2, seed=3, per_bucket=2, validation_per_bucket=3, **givens)
+    plain = write_split(tmp_path / "plain", n_train=5, n_test=2, seed=3, per_bucket=2, buckets=FAST_BUCKETS, **givens)
+    with_val = write_split(tmp_path / "val", n_train=5, n_test=2, seed=3, per_bucket=2, validation_per_bucket=3,
+                           buckets=FAST_BUCKETS, **givens)
     for name in ("train", "test", "test_easy", "test_medium", "test_hard"):
         assert with_val[name].read_bytes() == plain[name].read_bytes(), name
-    validation = {b: read_puzzle_file(with_val[f"val_{b}"])[0] for b in BUCKET_GIVENS}
-    assert {b: [e.bucket for e in v] for b, v in validation.items()} == {b: [b] * 3 for b in BUCKET_GIVENS}
+    validation = {b: read_puzzle_file(with_val[f"val_{b}"])[0] for b in FAST_BUCKETS}
+    assert {b: [e.bucket for e in v] for b, v in validation.items()} == {b: [b] * 3 for b in FAST_BUCKETS}
     others = sum((read_puzzle_file(plain[n])[0] for n in ("train", "test", "test_easy", "test_medium", "test_hard")), [])
     seen = {canonical_form(e.puzzle) for e in others}
     val_forms = [canonical_form(e.puzzle) for v in validation.values() for e in v]

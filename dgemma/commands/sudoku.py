@@ -33,6 +33,16 @@ def add_arguments(p):
     prep.add_argument("--per-bucket", type=int, default=300, help="test puzzles per difficulty bucket")
     prep.add_argument("--validation", type=int, default=0,
                       help="also write val_<bucket>.txt with this many puzzles per bucket, for tuning decoding")
+    prep.add_argument("--minimal", type=int, default=None, metavar="N",
+                      help="test puzzles of the minimal bucket, 21-23 givens, which cost about 1.5 s each "
+                           "(default: --per-bucket)")
+    prep.add_argument("--minimal-validation", type=int, default=None, metavar="N",
+                      help="validation puzzles of the minimal bucket (default: --minimal, at most --validation)")
+    prep.add_argument("--low-train", type=int, default=0, metavar="N",
+                      help="also N training puzzles with 22-27 givens (train_low.txt), drawn after the held-out sets")
+    prep.add_argument("--low-augment", type=int, default=None, metavar="K",
+                      help="symmetry-transformed copies per low-givens puzzle in train.jsonl (default: --augment)")
+    prep.add_argument("--workers", type=int, default=1, help="generating processes (same files for any number)")
     prep.add_argument("--seed", type=int, default=0)
     prep.set_defaults(_action=_prepare)
 
@@ -80,20 +90,32 @@ def _prepare(args):
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_grid import random_transform
 
-    if args.train < 1 or args.augment < 0 or args.per_bucket < 0 or args.validation < 0:
-        raise UsageError("--train must be >= 1; --augment, --per-bucket and --validation >= 0")
+    low_augment = args.augment if args.low_augment is None else args.low_augment
+    counts = (args.augment, args.per_bucket, args.validation, args.low_train, low_augment, args.minimal or 0,
+              args.minimal_validation or 0)
+    if args.train < 1 or min(counts) < 0 or args.workers < 1:
+        raise UsageError("--train and --workers must be >= 1; --augment, --per-bucket, --validation, --minimal, "
+                         "--low-train and --low-augment >= 0")
     out = Path(args.out)
-    print(f"generating {args.train} training puzzles, {args.per_bucket} per bucket for testing and "
-          f"{args.validation} per bucket for validation ...", file=sys.stderr)
-    paths = sudoku.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=args.per_bucket,
-                          validation_per_bucket=args.validation)
+    minimal_test = args.per_bucket if args.minimal is None else args.minimal
+    minimal_val = min(args.validation, minimal_test if args.minimal_validation is None else args.minimal_validation)
+    # the minimal bucket has its own counts (its puzzles cost ~100x more); the other buckets keep theirs
+    sizes = {"test": {**dict.fromkeys(sudoku.BUCKETS, args.per_bucket), "minimal": minimal_test},
+             "validation": {**dict.fromkeys(sudoku.BUCKETS, args.validation), "minimal": minimal_val}}
+    sizes = {k: v if any(v.values()) else 0 for k, v in sizes.items()}
+    print(f"generating {args.train} training puzzles (+{args.low_train} with 22-27 givens), test and validation "
+          f"sets per bucket ({sizes['test']}, {sizes['validation']}) ...", file=sys.stderr)
+    paths = sudoku.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=sizes["test"],
+                               validation_per_bucket=sizes["validation"], low_train=args.low_train,
+                               workers=args.workers)
     train, _ = sudoku.read_puzzle_file(paths["train"])
+    low, _ = sudoku.read_puzzle_file(paths["train_low"]) if "train_low" in paths else ([], [])
     rng = random.Random(args.seed)
     lines = 0
     with open(out / "train.jsonl.tmp", "w") as f:
-        for ex in train:
+        for ex, copies in [(ex, args.augment) for ex in train] + [(ex, low_augment) for ex in low]:
             variants = [(ex.puzzle, ex.solution)]
-            for _ in range(args.augment):  # the same transform on puzzle and solution keeps them a pair
+            for _ in range(copies):  # the same transform on puzzle and solution keeps them a pair
                 t = random_transform(rng)
                 variants.append((t.apply(ex.puzzle), t.apply(ex.solution)))
             for puzzle, solution in variants:
@@ -101,7 +123,7 @@ def _prepare(args):
                                     "response_ids": sudoku.encode_solution(solution)}) + "\n")
                 lines += 1
     (out / "train.jsonl.tmp").rename(out / "train.jsonl")
-    print(json.dumps({"train_puzzles": len(train), "train_lines": lines,
+    print(json.dumps({"train_puzzles": len(train), "low_train_puzzles": len(low), "train_lines": lines,
                       **{k: str(v) for k, v in paths.items()}}))
     return 0
 

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
 STATIC = Path(__file__).parent / "static"
+log = logging.getLogger("dgemma.serve")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
@@ -691,6 +693,37 @@ def _add_error_handlers(app: FastAPI):
         error = validation_error(list(error.errors()))
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request, error: Exception):
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
+    app.add_middleware(InternalErrors)
+
+
+class InternalErrors:
+    """An unexpected exception -> a 500 in OpenAI's shape, its traceback in the server's log.
+
+    An ASGI middleware rather than an exception handler for `Exception`: Starlette answers such a handler's
+    500 and then raises the exception again, and uvicorn closes the connection. A client's next request on
+    that kept-alive connection then fails with a connection error (ReadError) instead of being served.
+    Here the 500 is an ordinary response and the connection stays open. An exception after the response
+    has started (mid-stream) still ends the connection: that is the only way left to tell the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as error:
+            if started:
+                raise
+            log.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            response = JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"),
+                                    status_code=500)
+            await response(scope, receive, send)

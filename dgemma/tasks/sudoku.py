@@ -35,6 +35,7 @@ from dgemma.tasks.sudoku_grid import (
     canonical_form,
     count_givens,
     count_solutions,
+    generate_minimal_puzzle,
     generate_puzzle,
     has_unique_solution,
     is_singles_solvable,
@@ -52,7 +53,7 @@ __all__ = [
     "Grid", "Example", "Split", "SudokuVocab", "Transform", "BUCKETS", "BUCKET_GIVENS",
     "as_grid", "count_givens", "bucket_of", "solve", "count_solutions", "has_unique_solution",
     "is_valid_solution", "rule_violations", "solution_errors", "propagate_singles", "is_singles_solvable",
-    "generate_puzzle", "random_solution", "random_transform", "transpose", "canonical_form",
+    "generate_puzzle", "generate_minimal_puzzle", "random_solution", "random_transform", "transpose", "canonical_form",
     "are_equivalent", "parse_puzzle", "read_puzzle_file", "write_examples", "format_grid",
     "grid_to_string", "encode_prompt", "encode_solution", "decode_prompt", "decode_canvas",
     "random_symmetry_ids", "wilson_interval",
@@ -61,16 +62,19 @@ __all__ = [
 
 # -- difficulty buckets ------------------------------------------------------------------------
 
-BUCKETS = ("easy", "medium", "hard")
+BUCKETS = ("easy", "medium", "hard", "minimal")
 # Givens ranges used to *generate* bucket test sets; bucket_of() is the open-ended rule.
-# Hard stops at 24 because random cell removal rarely reaches lower (24: ~35 puzzles/s).
-BUCKET_GIVENS = {"easy": (40, 45), "medium": (30, 39), "hard": (24, 29)}
+# Random cell removal reaches 24 cheaply (~35 puzzles/s); below that `generate_minimal_puzzle` climbs,
+# at 0.4-3 s a puzzle for 23-21 givens and 20 s or more for 20, so the minimal sets stop at 21.
+BUCKET_GIVENS = {"easy": (40, 45), "medium": (30, 39), "hard": (24, 29), "minimal": (21, 23)}
+MINIMAL_BELOW = 24  # targets below this use generate_minimal_puzzle
+LOW_GIVENS = (22, 27)  # the extra training puzzles of `write_split(low_train=...)` (21 costs 3 s a puzzle)
 
 
 def bucket_of(puzzle: Sequence[int] | int) -> str:
-    """easy: >= 40 givens, medium: 30-39, hard: < 30. Accepts a puzzle or a givens count."""
+    """easy: >= 40 givens, medium: 30-39, hard: 24-29, minimal: < 24. Accepts a puzzle or a givens count."""
     givens = puzzle if isinstance(puzzle, int) else count_givens(puzzle)
-    return "easy" if givens >= 40 else "medium" if givens >= 30 else "hard"
+    return "easy" if givens >= 40 else "medium" if givens >= 30 else "hard" if givens >= MINIMAL_BELOW else "minimal"
 
 
 @dataclass(frozen=True)
@@ -330,23 +334,45 @@ def _canonical_key(puzzle: Sequence[int]) -> bytes:
     return bytes(canonical_form(puzzle))
 
 
-def _unique_examples(n: int, givens: tuple[int, int], seed: int, stream: str, seen: set[bytes]) -> list[Example]:
+def _candidate(job: tuple[int, str, int, int, int]) -> tuple[Grid, Grid, bytes]:
+    """Puzzle `index` of a stream, its solution and canonical key: a pure function of the job."""
+    seed, stream, index, low, high = job
+    rng = random.Random(f"dgemma-sudoku:{seed}:{stream}:{index}")  # str seeds hash stably
+    givens = rng.randint(low, high)
+    make = generate_puzzle if givens >= MINIMAL_BELOW else generate_minimal_puzzle
+    puzzle, solution = make(rng, givens)
+    return puzzle, solution, _canonical_key(puzzle)
+
+
+def _unique_examples(n: int, givens: tuple[int, int], seed: int, stream: str, seen: set[bytes],
+                     workers: int = 1) -> list[Example]:
     """`n` puzzles from one seeded stream, skipping any equivalent (under symmetry) to a key in
     `seen`, which collects the keys of those taken. Puzzle i of a stream depends only on
-    (seed, stream, i), so a longer request extends a shorter one and streams never interact."""
+    (seed, stream, i), so a longer request extends a shorter one and streams never interact.
+    `workers` > 1 generates candidates in that many processes; they are taken in index order, so the
+    result is the same as with one."""
     low, high = givens
     if not 17 <= low <= high <= 81:
         raise ValueError(f"bad givens range {givens}")
     examples: list[Example] = []
     index = 0
-    while len(examples) < n:
-        rng = random.Random(f"dgemma-sudoku:{seed}:{stream}:{index}")  # str seeds hash stably
-        index += 1
-        puzzle, solution = generate_puzzle(rng, rng.randint(low, high))
-        key = _canonical_key(puzzle)
-        if key not in seen:
-            seen.add(key)
-            examples.append(Example(puzzle, solution))
+    pool = None
+    if workers > 1 and n > 0:
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(workers)
+    try:
+        while len(examples) < n:
+            block = min(n - len(examples), 64 if pool is None else 8 * workers)
+            jobs = [(seed, stream, index + k, low, high) for k in range(block)]
+            index += block
+            for puzzle, solution, key in (map if pool is None else pool.map)(_candidate, jobs):
+                if key not in seen and len(examples) < n:
+                    seen.add(key)
+                    examples.append(Example(puzzle, solution))
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return examples
 
 
@@ -375,18 +401,22 @@ def make_split(
     return _make_split(n_train, n_test, seed, train_givens, test_givens)[0]
 
 
-def _bucket_sets(per_bucket: int, seed: int, seen: set[bytes], buckets: dict,
-                 stream: str = "bucket") -> dict[str, list[Example]]:
-    return {name: _unique_examples(per_bucket, tuple(r), seed, f"{stream}-{name}", seen) for name, r in buckets.items()}
+def _bucket_sets(per_bucket: int | dict, seed: int, seen: set[bytes], buckets: dict,
+                 stream: str = "bucket", workers: int = 1) -> dict[str, list[Example]]:
+    """One set per bucket, in the buckets' order; `per_bucket` is a count or {bucket: count}."""
+    sizes = per_bucket if isinstance(per_bucket, dict) else dict.fromkeys(buckets, per_bucket)
+    return {name: _unique_examples(sizes.get(name, 0), tuple(r), seed, f"{stream}-{name}", seen, workers)
+            for name, r in buckets.items()}
 
 
 def make_bucket_test_sets(
-    per_bucket: int = 300, seed: int = 0, exclude: Iterable[Example | Sequence[int]] = (), buckets: dict | None = None
+    per_bucket: int | dict = 300, seed: int = 0, exclude: Iterable[Example | Sequence[int]] = (),
+    buckets: dict | None = None, workers: int = 1,
 ) -> dict[str, list[Example]]:
     """One test set per difficulty bucket (givens ranges in BUCKET_GIVENS by default), disjoint
     up to symmetry from each other and from `exclude` (e.g. a training set)."""
     seen = {_canonical_key(e.puzzle if isinstance(e, Example) else e) for e in exclude}
-    return _bucket_sets(per_bucket, seed, seen, buckets or BUCKET_GIVENS)
+    return _bucket_sets(per_bucket, seed, seen, buckets or BUCKET_GIVENS, workers=workers)
 
 
 def write_split(
@@ -396,26 +426,38 @@ def write_split(
     seed: int = 0,
     train_givens: tuple[int, int] = (28, 45),
     test_givens: tuple[int, int] = (28, 45),
-    per_bucket: int = 0,
+    per_bucket: int | dict = 0,
     buckets: dict | None = None,
-    validation_per_bucket: int = 0,
+    validation_per_bucket: int | dict = 0,
+    low_train: int = 0,
+    low_givens: tuple[int, int] = LOW_GIVENS,
+    workers: int = 1,
 ) -> dict[str, Path]:
     """Write train.txt and test.txt (the same sets `make_split` returns for these arguments),
     test_<bucket>.txt when `per_bucket` > 0 (the sets `make_bucket_test_sets` returns with
     exclude = train + test), val_<bucket>.txt when `validation_per_bucket` > 0 (for choosing decoding
     settings without looking at the test sets; disjoint from all of the above, and drawn after them, so
-    adding them changes no other file), and split.json describing it all. Returns name -> path."""
+    adding them changes no other file), train_low.txt when `low_train` > 0 (more training puzzles with
+    `low_givens` givens, drawn last and disjoint from all of the above), and split.json describing it all.
+    `per_bucket` and `validation_per_bucket` are a count for every bucket or {bucket: count}; the buckets
+    are drawn in order (easy, medium, hard, minimal), so a bucket added at the end changes no earlier
+    set. `workers` > 1 generates in that many processes, with the same result. Returns name -> path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     buckets = buckets or BUCKET_GIVENS
-    split, seen = _make_split(n_train, n_test, seed, train_givens, test_givens)
-    sets = {"train": split.train, "test": split.test}
+    seen: set[bytes] = set()
+    # The test set comes first, so it does not change when the train set grows.
+    sets = {"test": _unique_examples(n_test, test_givens, seed, "test", seen, workers),
+            "train": _unique_examples(n_train, train_givens, seed, "train", seen, workers)}
     if per_bucket:
-        for name, examples in _bucket_sets(per_bucket, seed, seen, buckets).items():
+        for name, examples in _bucket_sets(per_bucket, seed, seen, buckets, workers=workers).items():
             sets[f"test_{name}"] = examples
     if validation_per_bucket:
-        for name, examples in _bucket_sets(validation_per_bucket, seed, seen, buckets, stream="validation").items():
+        for name, examples in _bucket_sets(validation_per_bucket, seed, seen, buckets, stream="validation",
+                                           workers=workers).items():
             sets[f"val_{name}"] = examples
+    if low_train:
+        sets["train_low"] = _unique_examples(low_train, low_givens, seed, "train-low", seen, workers)
     paths = {}
     for name, examples in sets.items():
         paths[name] = directory / f"{name}.txt"
@@ -426,6 +468,7 @@ def write_split(
         "train_givens": list(train_givens),
         "test_givens": list(test_givens),
         "bucket_givens": {k: list(v) for k, v in buckets.items()} if per_bucket else {},
+        "low_givens": list(low_givens) if low_train else [],
         "counts": {name: len(examples) for name, examples in sets.items()},
         "disjoint_up_to_symmetry": True,
     }
