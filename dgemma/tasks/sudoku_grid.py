@@ -277,19 +277,7 @@ def generate_puzzle(rng: random.Random, givens: int, max_attempts: int = 100) ->
     for _ in range(max_attempts):
         solution = random_solution(rng)
         cells = list(solution)
-        remaining = 81
-        order = list(range(81))
-        rng.shuffle(order)
-        for cell in order:
-            if remaining == givens:
-                break
-            digit = cells[cell]
-            cells[cell] = 0
-            if _removal_keeps_unique(cells, cell, digit):
-                remaining -= 1
-            else:
-                cells[cell] = digit
-        if remaining == givens:
+        if _remove_while_unique(cells, rng, givens) == givens:
             return tuple(cells), solution
     raise RuntimeError(f"no unique puzzle with {givens} givens after {max_attempts} attempts")
 
