@@ -11,7 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from dgemma.serving.protocol import ChatCompletionRequest, parse
+from dgemma.serving.chat_protocol import ChatCompletionRequest
+from dgemma.serving.errors import parse
 from dgemma.tokenizer import Tokenizer
 from test_server import MODEL, ServerProcess
 

@@ -50,18 +50,10 @@ from dgemma.serving.chat_output import ChatOutput
 from dgemma.serving.codec import Codec, PromptError, TextAssembler
 from dgemma.serving import openapi
 from dgemma.serving.image_urls import ImageReader
-from dgemma.serving.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChunkWriter,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    bad_request,
-    error_body,
-    usage,
-    validation_error,
-)
+from dgemma.serving.chat_protocol import ChatCompletionRequest
+from dgemma.serving.errors import APIError, bad_request, error_body, validation_error
+from dgemma.serving.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dgemma.serving.responses import ChunkWriter, usage
 from dgemma.serving.scores import scored_choice
 from dgemma.serving.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream

@@ -1,9 +1,9 @@
 """What the server answers, as OpenAPI response schemas, and the pages that publish the API.
 
-The request bodies of /openapi.json are the models that validate them (protocol.py); the response models
-here only describe: the routes build their bodies as dicts (protocol.ChunkWriter and app.py), and the fuzz
-test (tests/test_server_fuzz.py) checks every response it provokes against these schemas. Streams
-(`stream: true`) are documented as `text/event-stream`; each event is one of the chunk models below.
+The request bodies of /openapi.json are the models that validate them (protocol.py, chat_protocol.py); the
+response models here only describe: the routes build their bodies as dicts (responses.ChunkWriter and app.py), and
+the fuzz test (tests/test_server_fuzz.py) checks every response it provokes against these schemas.
+Streams (`stream: true`) are documented as `text/event-stream`; each event is one of the chunk models below.
 
 /docs is Swagger UI from the swagger-ui-bundle-v2 package, served from this server (no CDN: the server
 works offline). It is a page without content of its own, like the playground: it loads /openapi.json and

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible wire format: request bodies (validated), errors, responses and stream chunks.
+"""The OpenAI-compatible request bodies (validated): the fields every generation request shares,
+/v1/completions' body, and the tokenizer routes' bodies. The chat body is chat_protocol.py's, errors are
+errors.py's, responses and stream chunks responses.py's.
 
 Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
 not 1), numbers must be finite and inside the ranges below, and the message names the field.
@@ -9,9 +11,6 @@ denoised tokens, suffix, best_of) are rejected instead of silently ignored.
 Scoring (/v1/completions with `logprobs` and max_tokens 0 or 1, what evaluation harnesses send): the
 prompt's own log-probabilities, from the causal encoder, in OpenAI's legacy `logprobs` shape; with
 `echo` the prompt's tokens come back, with max_tokens 1 the encoder's most likely next token follows.
-
-Chat content may hold images: {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} parts
-in user messages (read by image_urls.py).
 
 response_format: {"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object),
 or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}} (the answer
@@ -29,16 +28,10 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from dgemma.serving.tool_calls import openai_tool_call
 
 MAX_STEPS = 1000
 MAX_STOP_STRINGS = 16
@@ -48,49 +41,24 @@ NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole ca
                "denoising steps, so its tokens have no left-to-right probabilities to report")
 
 
-class APIError(StarletteHTTPException):
-    """Becomes an OpenAI error body: {"error": {"message", "type", "param", "code"}}. An HTTPException, so that
-    FastAPI lets it through unchanged from anywhere, reading the body included."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(status_code=status, detail=message, headers=headers or {})
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def __str__(self) -> str:
-        return self.message
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 # -- request bodies ------------------------------------------------------------------------------------
 # The models below validate the bodies (FastAPI hands each route its model) and are the OpenAPI schema's
 # request bodies (/openapi.json): one definition for both. Validators that give friendlier messages run
 # before the typed check; what they accept, the types below accept too.
 
-def _strict(tp, **constraints):
+def strict(tp, **constraints):
     return Annotated[tp, Field(strict=True, **constraints)]
 
 
-StrictInt = _strict(int)
-StrictBool = _strict(bool)
-StrictStr = _strict(str)
-NonEmptyStr = _strict(str, min_length=1)
-TokenCount = _strict(int, ge=1)
-Steps = _strict(int, ge=1, le=MAX_STEPS)
-Seed = _strict(int, ge=0, le=2**63 - 1)
-Temperature = _strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
-EntropyBound = _strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
+StrictInt = strict(int)
+StrictBool = strict(bool)
+StrictStr = strict(str)
+NonEmptyStr = strict(str, min_length=1)
+TokenCount = strict(int, ge=1)
+Steps = strict(int, ge=1, le=MAX_STEPS)
+Seed = strict(int, ge=0, le=2**63 - 1)
+Temperature = strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
+EntropyBound = strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
 # several stop strings, or one; a list only once validated (see `_stop_strings`)
 StopStrings = Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)], Field(
     description=f"up to {MAX_STOP_STRINGS} strings: the answer ends just before the first match")]
@@ -145,7 +113,7 @@ ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | Respo
                            Field(discriminator="type")]
 
 
-class _Generation(BaseModel):
+class GenerationFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. OpenAI fields a diffusion sampler has no
     use for (temperature, top_p, penalties, user, ...) are accepted and ignored."""
 
@@ -157,7 +125,7 @@ class _Generation(BaseModel):
     stop: StopStrings | None = None
     seed: Seed | None = Field(None, description="the same seed and request give the same output, whatever else is "
                               "in the batch (random when absent; choice i of n uses seed + i)")
-    n: _strict(int, ge=1, le=MAX_CHOICES) | None = Field(None, description="choices of one prompt, seeded seed, "
+    n: strict(int, ge=1, le=MAX_CHOICES) | None = Field(None, description="choices of one prompt, seeded seed, "
                                                          "seed + 1, ...")
     response_format: ResponseFormat | None = Field(None, description="text (the default), json_object, or "
                                                    "json_schema: the answer is constrained on the canvas")
@@ -249,7 +217,7 @@ class _Generation(BaseModel):
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationFields):
     """POST /v1/completions: prompts continued by the diffusion sampler, or scored (`logprobs`)."""
 
     # always a list of prompts once validated (`_prompts`)
@@ -257,11 +225,11 @@ class CompletionRequest(_Generation):
         Annotated[list[TokenIds], Field(min_length=1)] = Field(
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
                         "is prompt i's choice j)")
-    max_tokens: _strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
+    max_tokens: strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
                                                   "absent: as many whole canvases as fit after the prompt, capped by "
                                                   "the model's default")
     echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
-    logprobs: _strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
+    logprobs: strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "
                           "the causal encoder, with this many alternatives per position")
     suffix: StrictStr | None = Field(None, description="not supported: a 400")
@@ -312,262 +280,6 @@ class CompletionRequest(_Generation):
         return super().unsupported()
 
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-FunctionName = _strict(str, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    url: NonEmptyStr = Field(description="a data URL (data:image/png;base64,...), or an http(s) URL of a host "
-                             "the server allows (--allowed-image-domains)")
-    detail: StrictStr | None = Field(None, description="ignored: the model's processor settings size the image")
-
-
-class ImagePart(BaseModel):
-    """An image, for a model with a vision tower (user messages only)."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["image_url"]
-    image_url: ImageURL | NonEmptyStr = Field(description="{\"url\": URL}, or the URL alone")
-
-    @property
-    def url(self) -> str:
-        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
-
-
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
-def _content_parts(value):
-    """The shape of a content list, checked with messages that show it (the typed check follows)."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if not isinstance(value, list):
-        raise ValueError("expected a string or a list of content parts")
-    for part in value:
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise ValueError('a text part is {"type": "text", "text": STRING}')
-        elif kind == "image_url":
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str) or not url:
-                raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": URL}}')
-        else:
-            raise ValueError(f"only text and image_url content parts are supported, got {kind!r}")
-    return value
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: StrictStr
-    arguments: StrictStr = Field(description="a JSON object, in a string (as OpenAI sends it)")
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value):
-        try:
-            parsed = json.loads(value)
-        except (ValueError, RecursionError):
-            raise ValueError("expected a JSON object in a string") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("expected a JSON object in a string")
-        return value
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-# What `_fields_of_the_role` checks, for the schema: a tool message names its call; images are in user messages
-# only; tool calls in assistant messages only
-_ROLE_RULES = {"allOf": [
-    {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"], "properties": {
-        "tool_call_id": {"type": "string", "minLength": 1}}}},
-    {"if": {"properties": {"role": {"not": {"const": "user"}}}}, "then": {"properties": {"content": {
-        "anyOf": [{"type": "string"}, {"type": "null"},
-                  {"type": "array", "items": {"properties": {"type": {"const": "text"}}}}]}}}},
-    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}}, "then": {"properties": {"tool_calls": {
-        "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
-]}
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_ROLE_RULES)
-    role: Role = Field(description="\"developer\" is read as \"system\"")
-    content: StrictStr | list[ContentPart] | None = Field(
-        "", description="a string, or text and image_url parts (images: user messages only, for a model with a "
-                        "vision tower); null is empty")
-    name: StrictStr | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="assistant: calls it made")
-    tool_call_id: StrictStr | None = Field(None, description="tool: the call this message answers (required)")
-    reasoning_content: StrictStr | None = Field(None, description="assistant: its thoughts, for templates that "
-                                                "keep them")
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _parts(cls, value):
-        return _content_parts(value)
-
-    @field_validator("content", mode="after")
-    @classmethod
-    def _text_alone(cls, value):
-        """Text parts alone are one string; null is ""; with images, the list of parts."""
-        if value is None:
-            return ""
-        if isinstance(value, list) and all(isinstance(p, TextPart) for p in value):
-            return "".join(p.text for p in value)
-        return value
-
-    @model_validator(mode="after")
-    def _fields_of_the_role(self):
-        if isinstance(self.content, list) and self.role != "user":
-            raise ValueError("only user messages carry images")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: FunctionName
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object (within the "
-                                              "structured-output subset when tool_choice constrains the answer)")
-    strict: StrictBool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: StrictStr
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_Generation):
-    """POST /v1/chat/completions: messages through the model's chat template, answered by the diffusion sampler."""
-
-    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_tokens: TokenCount | None = Field(None, description="absent: as many whole canvases as fit after the "
-                                          "prompt, capped by the model's default")
-    max_completion_tokens: TokenCount | None = Field(None, description="max_tokens' newer name; wins when both are "
-                                                     "given")
-    logprobs: StrictBool | None = Field(None, description="not available (a 400): a diffusion model's tokens have "
-                                        "no left-to-right probabilities")
-    top_logprobs: StrictInt | None = Field(None, description="not available (a 400)")
-    tools: list[Tool] | None = Field(None, description="functions the model may call, declared to it by the chat "
-                                     "template")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="auto (the default with tools): calls are parsed from the answer; required or a named "
-                          "function: the answer is constrained to calls with valid arguments; none: nothing is parsed")
-    parallel_tool_calls: StrictBool | None = Field(None, description="false: exactly one call when required")
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
-        None, description="\"none\" turns thinking off, any other value on (chat_template_kwargs.enable_thinking "
-                          "wins)")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template, as vLLM: "
-                                                        "e.g. {\"enable_thinking\": true}")
-
-    @field_validator("messages")
-    @classmethod
-    def _not_empty(cls, value):
-        if not value:
-            raise ValueError("messages is empty: send at least one message")
-        return value
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def tool_mode(self) -> str:
-        """"none" (calls stay text), "auto" (calls are parsed), "required" or "named" (constrained)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return "named"
-        return self.tool_choice or "auto"
-
-    def allowed_tools(self) -> list[FunctionDefinition]:
-        """The functions an answer may call: the named one, or all of them."""
-        functions = [t.function for t in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return [f for f in functions if f.name == self.tool_choice.function.name]
-        return functions
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """Variables for the chat template: tools, thinking (reasoning_effort: any value but "none" is on;
-        an explicit chat_template_kwargs.enable_thinking wins), and the client's own."""
-        kwargs: dict[str, Any] = {}
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.reasoning_effort is not None:
-            kwargs["enable_thinking"] = self.reasoning_effort != "none"
-        return {**kwargs, **(self.chat_template_kwargs or {})}
-
-    def chat(self) -> list[dict]:
-        """The messages as Hugging Face chat templates read them: "developer" is "system"; a call's arguments
-        are a dict (as vLLM passes them); a tool result carries the name of the function it answers."""
-        names: dict[str, str] = {}
-        messages = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else [  # the template writes its image placeholder
-                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-            if m.tool_calls:
-                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
-                names.update((c.id, c.function.name) for c in m.tool_calls)
-            if m.role == "tool":
-                message["tool_call_id"] = m.tool_call_id
-                message["name"] = m.name or names.get(m.tool_call_id, "unknown")
-            elif m.name is not None:
-                message["name"] = m.name
-            if m.reasoning_content is not None and m.role == "assistant":
-                message["reasoning_content"] = m.reasoning_content
-            messages.append(message)
-        return messages
-
-    def image_urls(self) -> list[str]:
-        """The URLs of the image parts of all messages, in order (the order of the template's placeholders)."""
-        return [p.url for m in self.messages if isinstance(m.content, list) for p in m.content
-                if isinstance(p, ImagePart)]
-
-    def unsupported(self):
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs" if self.logprobs else "top_logprobs", NO_LOGPROBS
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            return "tools", f"two tools are named {next(n for n in names if names.count(n) > 1)!r}"
-        if (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)) and not self.tools:
-            return "tool_choice", "a required or named tool_choice needs tools"
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            return "tool_choice", (f"no tool is named {self.tool_choice.function.name!r} "
-                                   f"(tools: {', '.join(map(repr, names))})")
-        return super().unsupported()
-
-
 class _TokenizerRequest(BaseModel):
     """/tokenize and /detokenize, as vLLM serves them (evaluation harnesses count tokens with them)."""
 
@@ -582,103 +294,3 @@ class TokenizeRequest(_TokenizerRequest):
 
 class DetokenizeRequest(_TokenizerRequest):
     tokens: list[StrictInt]
-
-
-def validation_error(errors: list[dict]) -> APIError:
-    """A 400 for pydantic's (or FastAPI's) first error, naming the field: "messages.0.role: Input should be ..."."""
-    error = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
-    loc = list(error.get("loc", ()))
-    if loc[:1] == ["body"]:  # FastAPI's prefix for the body
-        loc = loc[1:]
-    if error["type"] == "unsupported_field":
-        field = error["ctx"]["field"]
-        return bad_request(error["msg"], param=field)
-    if not loc:
-        if error["type"] == "missing":
-            return bad_request("the request body is empty; expected a JSON object")
-        if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
-            return bad_request("the request body must be a JSON object")
-    param = ".".join(str(part) for part in loc) or None
-    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    if error["type"] == "missing":
-        message = "this field is required"
-    return bad_request(f"{param}: {message}" if param else message, param=param)
-
-
-def parse(model: type[BaseModel], body: Any):
-    """Validate a decoded JSON body as the routes do; any problem becomes a 400 that names the field."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
-
-
-# -- responses -----------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class ChunkWriter:
-    """Builds the bodies and stream chunks of one request, in the shape of its endpoint.
-
-    Drafts ride in ordinary chunks: the choice has empty text / an empty delta and carries an extra
-    field `dgemma_draft`, so the official client parses them like any chunk (extra fields are kept,
-    readable as `choice.dgemma_draft`) and code that concatenates the text sees nothing.
-    """
-
-    def __init__(self, chat: bool, model: str):
-        self.chat = chat
-        self.model = model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-
-    def _chunk(self, index: int, choice: dict, **extra) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [{"index": index, **choice}], **extra}
-
-    def _delta(self, index: int, delta: dict, finish_reason=None, **extra) -> dict:
-        body = {"delta": delta} if self.chat else {"text": delta.get("content", ""), "logprobs": None}
-        return self._chunk(index, {**body, "finish_reason": finish_reason}, **extra)
-
-    def first(self, index: int = 0) -> dict | None:
-        """Chat streams open each choice with the assistant role; completion streams have no such chunk."""
-        return self._delta(index, {"role": "assistant", "content": ""}) if self.chat else None
-
-    def text(self, text: str, index: int = 0) -> dict:
-        return self._delta(index, {"content": text})
-
-    def reasoning(self, text: str, index: int = 0) -> dict:
-        return self._delta(index, {"reasoning_content": text})
-
-    def tool_call(self, call: dict, position: int, index: int = 0) -> dict:
-        """One whole call (id, name and arguments in one delta), `position` in the answer's list of calls."""
-        return self._delta(index, {"tool_calls": [openai_tool_call(call, position)]})
-
-    def draft(self, draft: dict, index: int = 0) -> dict:
-        chunk = self._delta(index, {})
-        chunk["choices"][0]["dgemma_draft"] = draft
-        return chunk
-
-    def finish(self, reason: str, stats: dict, index: int = 0) -> dict:
-        return self._delta(index, {}, reason, dgemma=stats)
-
-    def usage_chunk(self, counts: dict) -> dict:
-        return {**self._chunk(0, {}), "choices": [], "usage": counts}
-
-    def response(self, answers: list[tuple[dict | str, str]], counts: dict, stats: dict,
-                 logprobs: list[dict] | None = None) -> dict:
-        """answers: (chat message or completion text, finish reason) per choice; logprobs: each choice's
-        (scoring)."""
-        key = "message" if self.chat else "text"
-        choices = [{"index": i, key: answer, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
-                   for i, (answer, reason) in enumerate(answers)]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": counts, "dgemma": stats}
