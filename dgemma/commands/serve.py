@@ -45,8 +45,9 @@ def add_arguments(p):
 def run(args):
     import uvicorn
 
-    from dgemma.serving.app import ServerState, create_app
+    from dgemma.serving.app import create_app
     from dgemma.serving.codec import TextCodec
+    from dgemma.serving.state import ServerState
     from dgemma.serving.worker import EngineWorker
     from dgemma.tasks import read_task, task_codec
     from dgemma.tokenizer import Tokenizer

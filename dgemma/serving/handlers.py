@@ -1,0 +1,356 @@
+"""A request's run through the engine worker, for the routes of app.py: its sampling and constraint, one
+engine request per prompt and choice, then whole answers or a stream of chunks; scoring and echo-only
+completions too.
+
+A request becomes one engine request per prompt and choice (`n`, see worker.py); its committed canvases
+become text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
+`ChatOutput` (chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (responses.py).
+A constraint (response_format, structured_outputs.regex, a required or named tool_choice) is a token
+automaton that rides along with the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from dgemma.config import ConfigError, SamplingConfig
+from dgemma.serving.chat_output import ChatOutput
+from dgemma.serving.chat_protocol import ChatCompletionRequest
+from dgemma.serving.codec import TextAssembler
+from dgemma.serving.errors import APIError, bad_request
+from dgemma.serving.http_plumbing import sse
+from dgemma.serving.protocol import CompletionRequest
+from dgemma.serving.responses import ChunkWriter, usage
+from dgemma.serving.scores import scored_choice
+from dgemma.serving.state import ServerState
+from dgemma.serving.tool_schema import calls_constraint
+from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
+from dgemma.structured import ConstraintError, SchemaError, VocabularyError
+
+
+# -- what a request asks of the sampler ---------------------------------------------------------------
+
+def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None) -> SamplingConfig:
+    """The model's sampling defaults with the request's overrides, and a length that fits the cache."""
+    L, context, n = state.canvas_length, state.worker.max_length, len(prompt)
+    fixed = state.codec.fixed_max_tokens
+    if fixed is not None:
+        if max_tokens not in (None, fixed):
+            raise bad_request(f"max_tokens: a {state.codec.task} answer is exactly {fixed} tokens", param="max_tokens")
+        max_tokens = fixed
+    whole_canvases = (context - n) // L * L  # the engine reserves whole canvases
+    if whole_canvases < 1:
+        raise bad_request(f"the prompt is {n} tokens; the context holds {context}, and a canvas of {L} tokens "
+                          f"must fit after the prompt", param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(state.sampling.max_new_tokens, whole_canvases)
+    elif max_tokens > whole_canvases:
+        raise bad_request(f"max_tokens {max_tokens} does not fit: the prompt is {n} tokens, the context holds "
+                          f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
+                          f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
+    eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
+    try:
+        return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
+                                      entropy_bound=body.entropy_bound, t_min=body.t_min, t_max=body.t_max,
+                                      fixed_steps=body.fixed_steps, eos_token_ids=eos)
+    except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max
+        raise bad_request(str(e)) from None
+
+
+async def tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
+    """tool_choice "required" or a named function: the answer must be calls with valid arguments."""
+    if body.tool_mode not in ("required", "named"):
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"tool_choice: a {state.codec.task} model does not call tools", param="tool_choice")
+    tools = [(f.name, f.parameters) for f in body.allowed_tools()]
+    try:  # built once per set of tools (cached), off the event loop: seconds on a large vocabulary
+        return await asyncio.to_thread(
+            calls_constraint, state.codec.tokenizer, state.codec.vocab_size, tools,
+            several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
+            thought=bool(template_kwargs.get("enable_thinking")))
+    except SchemaError as e:
+        raise bad_request(f"tools: {e}", param="tools", code="unsupported_schema") from None
+    except (VocabularyError, ConstraintError) as e:
+        raise bad_request(f"tool_choice: this model cannot be constrained to Gemma 4's tool calls: {e}",
+                          param="tool_choice") from None
+
+
+async def _constraint_for(state: ServerState, body):
+    """The request's response_format as a token automaton (None for plain text); a schema outside the
+    supported subset is a 400 that names the keyword."""
+    structured = body.structured
+    if structured is None:
+        return None
+    if state.codec.task != "text":
+        raise bad_request(f"response_format: a {state.codec.task} model writes its own answer format; "
+                          f"only {{\"type\": \"text\"}} applies", param="response_format")
+    kind, schema = structured
+    try:  # the first request with a schema builds its automaton: seconds on a large vocabulary
+        return await asyncio.to_thread(state.codec.constraint, kind, schema)
+    except SchemaError as e:
+        raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
+                          code="unsupported_schema") from None
+    except ConstraintError as e:
+        field = "structured_outputs" if kind == "regex" else "response_format"
+        raise bad_request(f"{field}: {e}", param=field) from None
+
+
+# -- generation ---------------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One answer of a request (n > 1: one per seed) and what turns its tokens into output."""
+
+    index: int
+    stream: RequestStream
+    assembler: TextAssembler  # tokens -> text deltas, stop strings
+    output: ChatOutput | None  # chat: text -> reasoning, content, tool calls
+    echo: str = ""  # a completion with echo: the prompt's text, sent first
+
+
+async def generate(state: ServerState, request: Request, body, prompts: list[list[int]], max_tokens: int | None,
+                    *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
+                    images=None):
+    """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
+    text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
+    samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
+    answer_format = await _constraint_for(state, body)
+    if answer_format is not None and constraint is not None:
+        raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
+                          "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
+    streams = _submit(state, body, prompts, samplings, constraint or answer_format, images)
+    decode = state.codec.decode_chat if chat else state.codec.decode
+    choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
+                      ChatOutput(parse_tools) if chat else None, echoes[i // body.choices] if echoes else "")
+               for i, stream in enumerate(streams)]
+    writer = ChunkWriter(chat, state.model_name)
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        cancel = BackgroundTask(_cancel_all, state.worker, streams)  # runs when the response ends or the client leaves
+        return StreamingResponse(_stream_chunks(state, body, choices, writer, prompt_tokens),
+                                 media_type="text/event-stream", background=cancel,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, streams))
+    try:
+        answers = await asyncio.gather(*(_answer(state, choice) for choice in choices))
+    finally:
+        watcher.cancel()
+        _cancel_all(state.worker, streams)
+    counts = usage(prompt_tokens, sum(len(c.assembler.tokens) for c in choices))
+    stats = _stats(state, choices[0])
+    if len(choices) > 1:
+        stats["choices"] = [_stats(state, c) for c in choices]
+    return writer.response(answers, counts, stats)
+
+
+def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[SamplingConfig], constraint,
+            images=None) -> list[RequestStream]:
+    """One engine request per prompt and choice, a prompt's choices seeded seed, seed+1, ... (random when
+    none is given); all or none."""
+    n = body.choices
+    if n * len(prompts) > state.worker.max_queue:
+        raise bad_request(f"at most {state.worker.max_queue} prompts times n choices fit this server's queue",
+                          param="n" if len(prompts) == 1 else "prompt")
+    base = body.seed if body.seed is not None else secrets.randbits(63)
+    streams: list[RequestStream] = []
+    with _engine_errors(state):
+        try:
+            for prompt, sampling in zip(prompts, samplings):
+                for i in range(n):
+                    streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63,
+                                                       constraint=constraint, want_drafts=body.include_drafts,
+                                                       images=images))
+        except BaseException:
+            _cancel_all(state.worker, streams)
+            raise
+    return streams
+
+
+@contextlib.contextmanager
+def _engine_errors(state: ServerState):
+    """What submitting to the engine raises, as the client's errors: queue full, too long, not running."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(state.worker.retry_after())}) from None
+    except ValueError as e:  # the engine's own length check
+        raise bad_request(str(e), code="context_length_exceeded") from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), type="server_error") from None
+
+
+async def score(state: ServerState, request: Request, body: CompletionRequest, prompts: list[list[int]],
+                 echoes: list[str]):
+    """Score the prompts together (engine/scoring.py): one choice per prompt, in OpenAI's logprobs shape."""
+    too_long = [len(p) for p in prompts if len(p) > state.worker.max_length]
+    if too_long:
+        raise bad_request(f"a prompt of {too_long[0]} tokens does not fit: the context holds "
+                          f"{state.worker.max_length}", param="prompt", code="context_length_exceeded")
+    if len(prompts) > state.worker.max_queue:
+        raise bad_request(f"at most {state.worker.max_queue} prompts fit this server's queue", param="prompt")
+    with _engine_errors(state):
+        streams = state.worker.submit_scoring(prompts, body.logprobs)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, streams))
+    try:
+        for stream in streams:
+            while (item := await stream.next()).kind != "finished":
+                if item.kind == "error":
+                    raise APIError(500, item.message, type="server_error")
+            if item.finish_reason != "scored":
+                raise APIError(500, "the request was cancelled", type="server_error")
+    finally:
+        watcher.cancel()
+        _cancel_all(state.worker, streams)
+    writer = ChunkWriter(False, state.model_name)
+    choices = [scored_choice(state.codec, prompt, echo, stream.request.scores, echo=body.echo,
+                             next_token=body.max_tokens == 1, top=body.logprobs)
+               for prompt, echo, stream in zip(prompts, echoes, streams)]
+    counts = usage(sum(len(p) for p in prompts), len(prompts) * body.max_tokens)
+    stats = {"elapsed_s": time.perf_counter() - streams[0].request.t_submit}
+    return writer.response([(c["text"], "length") for c in choices], counts, stats,
+                           logprobs=[c["logprobs"] for c in choices])
+
+
+def echo_only(state: ServerState, body: CompletionRequest, prompts: list[list[int]], echoes: list[str]):
+    """max_tokens 0 without logprobs: nothing to generate; the prompts themselves when echoed."""
+    if body.stream:
+        raise bad_request("max_tokens 0 writes nothing to stream; send stream: false", param="stream")
+    texts = [echo if body.echo else "" for echo in echoes for _ in range(body.choices)]
+    counts = usage(sum(len(p) for p in prompts), 0)
+    return ChunkWriter(False, state.model_name).response([(t, "length") for t in texts], counts, {})
+
+
+def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
+    for stream in streams:
+        worker.cancel(stream)
+
+
+# -- answers and streams ------------------------------------------------------------------------------
+
+async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[str, object]]:
+    """("draft", payload) / ("content" | "reasoning", text) / ("tool_call", call) / ("end", finish_reason)."""
+    stream, assembler, output = choice.stream, choice.assembler, choice.output
+    while True:
+        item = await stream.next()
+        if item.kind == "error":
+            raise APIError(500, item.message, type="server_error")
+        if item.kind == "draft":
+            yield "draft", _draft_payload(state.codec, item)
+            continue
+        if item.kind not in ("canvas", "finished"):
+            continue
+        ended = item.kind == "finished"
+        text = assembler.flush() if ended else assembler.add(item.tokens)
+        if assembler.stopped:  # a stop string: the rest is not wanted, free the row now
+            state.worker.cancel(stream)
+            ended = True
+        if output is None:
+            if text:
+                yield "content", text
+        else:
+            for part in output.add(text) + (output.finish() if ended else []):
+                yield part
+        if ended:
+            reason = "stop" if assembler.stopped or item.finish_reason != "length" else "length"
+            yield "end", "tool_calls" if output is not None and output.calls else reason
+            return
+
+
+async def _answer(state: ServerState, choice: Choice) -> tuple[dict | str, str]:
+    """A whole answer: (chat message or completion text, finish reason)."""
+    texts, reason = [choice.echo], None
+    async for kind, value in _outputs(state, choice):
+        if kind == "content":
+            texts.append(value)
+        elif kind == "end":
+            reason = value
+    return (choice.output.message() if choice.output is not None else "".join(texts)), reason
+
+
+async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(i, item) from several async iterators as their items come."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter, prompt_tokens: int):
+    try:
+        for choice in choices:
+            first = writer.first(choice.index)
+            if first is not None:
+                yield sse(first)
+            if choice.echo:
+                yield sse(writer.text(choice.echo, choice.index))
+        calls = [0] * len(choices)  # tool calls sent so far, per choice
+        async for i, (kind, value) in _merged([_outputs(state, choice) for choice in choices]):
+            if kind == "draft":
+                yield sse(writer.draft(value, i))
+            elif kind == "content":
+                yield sse(writer.text(value, i))
+            elif kind == "reasoning":
+                yield sse(writer.reasoning(value, i))
+            elif kind == "tool_call":
+                yield sse(writer.tool_call(value, calls[i], i))
+                calls[i] += 1
+            else:
+                yield sse(writer.finish(value, _stats(state, choices[i]), i))
+        if body.include_usage:
+            completion = sum(len(c.assembler.tokens) for c in choices)
+            yield sse(writer.usage_chunk(usage(prompt_tokens, completion)))
+    except APIError as e:  # the headers are gone; the error travels as an event (the client raises it)
+        yield sse(e.body())
+    finally:
+        _cancel_all(state.worker, [c.stream for c in choices])  # the client left mid-stream: free the rows at once
+    yield "data: [DONE]\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, worker: EngineWorker, streams: list[RequestStream]):
+    """After the body is read, the next message is the disconnect: a client that gave up frees its rows."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            _cancel_all(worker, streams)
+            return
+
+
+def _draft_payload(codec, event) -> dict:
+    return {"canvas": event.canvas_index, "step": event.step + 1, "tokens": event.tokens,
+            "pieces": [codec.piece(t) for t in event.tokens],
+            "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted}
+
+
+def _stats(state: ServerState, choice: Choice) -> dict:
+    request = choice.stream.request
+    stats = {"seed": request.seed, **request.stats()}
+    verdict = state.codec.check_answer(request.prompt, choice.assembler.tokens)
+    if verdict is not None:
+        stats[state.codec.task] = verdict
+    return stats
