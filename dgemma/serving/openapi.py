@@ -329,7 +329,7 @@ def swagger_ui_folder() -> str:
 
 def without_422(schema: dict) -> dict:
     """FastAPI documents a 422 on every route that takes input; this server answers a bad body or parameter
-    with a 400 in OpenAI's shape (app.py's handler), already documented where it can happen."""
+    with a 400 in OpenAI's shape (http_plumbing.py's handler), already documented where it can happen."""
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.get("responses", {})
