@@ -108,7 +108,7 @@ def create_app(state: ServerState) -> FastAPI:
         if body.max_tokens == 0:
             return echo_only(state, body, prompts, echoes)
         return await generate(state, request, body, prompts, body.max_tokens, chat=False,
-                               echoes=echoes if body.echo else None)
+                              echoes=echoes if body.echo else None)
 
     @v1.post("/chat/completions", response_model=None,
              responses=openapi.generation_responses(openapi.ChatCompletion, openapi.ChatCompletionChunk))
@@ -122,7 +122,7 @@ def create_app(state: ServerState) -> FastAPI:
             prompt = state.images.expand(prompt, images)
         constraint = await tool_constraint(state, body, template_kwargs)
         return await generate(state, request, body, [prompt], body.token_limit, chat=True,
-                               parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
+                              parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
 
     # the tokenizer, as vLLM serves it: lm-eval's local-completions finds these and counts with them
     tokenizer = APIRouter(dependencies=[key], route_class=JSONBodyRoute)

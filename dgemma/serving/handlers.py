@@ -119,8 +119,8 @@ class Choice:
 
 
 async def generate(state: ServerState, request: Request, body, prompts: list[list[int]], max_tokens: int | None,
-                    *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
-                    images=None):
+                   *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
+                   images=None):
     """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
     text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
     samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
@@ -191,7 +191,7 @@ def _engine_errors(state: ServerState):
 
 
 async def score(state: ServerState, request: Request, body: CompletionRequest, prompts: list[list[int]],
-                 echoes: list[str]):
+                echoes: list[str]):
     """Score the prompts together (engine/scoring.py): one choice per prompt, in OpenAI's logprobs shape."""
     too_long = [len(p) for p in prompts if len(p) > state.worker.max_length]
     if too_long:

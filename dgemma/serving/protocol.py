@@ -126,7 +126,7 @@ class GenerationFields(BaseModel):
     seed: Seed | None = Field(None, description="the same seed and request give the same output, whatever else is "
                               "in the batch (random when absent; choice i of n uses seed + i)")
     n: strict(int, ge=1, le=MAX_CHOICES) | None = Field(None, description="choices of one prompt, seeded seed, "
-                                                         "seed + 1, ...")
+                                                        "seed + 1, ...")
     response_format: ResponseFormat | None = Field(None, description="text (the default), json_object, or "
                                                    "json_schema: the answer is constrained on the canvas")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's field: the answer matches a regex")
@@ -226,8 +226,8 @@ class CompletionRequest(GenerationFields):
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
                         "is prompt i's choice j)")
     max_tokens: strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
-                                                  "absent: as many whole canvases as fit after the prompt, capped by "
-                                                  "the model's default")
+                                                 "absent: as many whole canvases as fit after the prompt, capped by "
+                                                 "the model's default")
     echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
     logprobs: strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "
