@@ -47,6 +47,7 @@ NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole ca
 # before the typed check; what they accept, the types below accept too.
 
 def strict(tp, **constraints):
+    """`tp` checked without coercion ("5" is not 5), inside `constraints` (Field's ge, le, min_length, ...)."""
     return Annotated[tp, Field(strict=True, **constraints)]
 
 
