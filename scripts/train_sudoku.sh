@@ -9,8 +9,9 @@
 #            3,000 (UNTIL2; lr there is 6e-5 against the 4e-5 floor).
 #
 #   stage 3  the whole range of givens: from stage 2's weights (INIT3), seed 2, on DATA3 = the same 20,000
-#            puzzles plus 500 with 22-27 givens (x20 symmetric copies each, a third of the lines),
-#            fresh random symmetries at every step, a new cosine from 2e-4 over STEPS3 steps (UNTIL3 stops early).
+#            puzzles plus 3,000 with 22-27 givens (x4 symmetric copies each, 37.5% of the lines),
+#            fresh random symmetries at every step, a new cosine from 3e-4 over STEPS3 = 1,200 steps
+#            (UNTIL3 stops early).
 #            The AR baseline gets the same stage from its own weights: OBJECTIVE=ar STAGE=3
 #            INIT3=<the AR model> (the same data in the same order, the same steps).
 #
@@ -26,9 +27,9 @@ UNTIL=${UNTIL:-4750}
 UNTIL2=${UNTIL2:-3000}
 OUT=${OUT:-runs/sudoku-$OBJECTIVE}
 OUT2=${OUT2:-runs/sudoku-$OBJECTIVE-stage2}
-DATA3=${DATA3:-runs/sudoku-data-v2}
+DATA3=${DATA3:-runs/sudoku-data-v3}
 INIT3=${INIT3:-$OUT2/checkpoints/step-$(printf %07d "$UNTIL2")/model}
-STEPS3=${STEPS3:-200}
+STEPS3=${STEPS3:-1200}
 UNTIL3=${UNTIL3:-$STEPS3}
 OUT3=${OUT3:-runs/sudoku-$OBJECTIVE-stage3}
 [ "$STAGE" = 3 ] || [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
@@ -44,7 +45,7 @@ if [ "$STAGE" = 2 ] || [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" = 3 ]; then
   [ -f "$DATA3/train.jsonl" ] || dgemma sudoku prepare --out "$DATA3" --train 20000 --augment 0 --per-bucket 300 \
-    --validation 300 --minimal 100 --minimal-validation 40 --low-train 500 --low-augment 19 --workers 3 --seed 0
+    --validation 300 --minimal 100 --minimal-validation 40 --low-train 3000 --low-augment 3 --workers 2 --seed 0
   dgemma train --model "$INIT3" --data "$DATA3/train.jsonl" "${COMMON[@]}" --augment sudoku \
-    --steps "$STEPS3" --until "$UNTIL3" --lr 2e-4 --min-lr 2e-5 --warmup-steps 20 --seed 2 --out "$OUT3"
+    --steps "$STEPS3" --until "$UNTIL3" --lr 3e-4 --min-lr 3e-5 --warmup-steps 50 --seed 2 --out "$OUT3"
 fi
