@@ -7,16 +7,18 @@
 #   scripts/sudoku_search_eval.sh [DATA] [OUT]       N puzzles per bucket (default 100)
 # Then `python scripts/sudoku_search_results.py OUT` prints the tables and draws OUT/search.png.
 # PREFIX runs each eval under a command (e.g. PREFIX="nice -n 10"); MODEL and AR_MODEL
-# default to the shipped ones; BUDGETS lists the searches (default "1x1 8x8"), BUCKETS the buckets (empty: none).
+# default to the shipped ones; BUDGETS lists the searches (default "1x1 8x8"), BUCKETS the buckets (empty: none),
+# MODELS the models (default "diffusion ar").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-runs/sudoku-data-v2}
+DATA=${1:-runs/sudoku-data-v3}
 OUT=${2:-results/sudoku/search}
 N=${N:-100}
 MODEL=${MODEL:-dgemma/assets/sudoku}
 AR_MODEL=${AR_MODEL:-dgemma/assets/sudoku-ar}
 BUDGETS=${BUDGETS-1x1 8x8}
 BUCKETS=${BUCKETS-easy medium hard minimal}
+MODELS=${MODELS-diffusion ar}
 mkdir -p "$OUT"
 run() {  # run NAME ARGS...: one eval, its JSON line to OUT/NAME.json
   local name=$1; shift
@@ -25,8 +27,12 @@ run() {  # run NAME ARGS...: one eval, its JSON line to OUT/NAME.json
 for bucket in $BUCKETS; do
   for budget in $BUDGETS; do
     search=(--rounds "${budget%x*}" --candidates "${budget#*x}")
-    run "diffusion-$budget-$bucket" --file "$DATA/test_$bucket.txt" --limit "$N" --batch 64 --model "$MODEL" "${search[@]}"
-    run "ar-$budget-$bucket" --file "$DATA/test_$bucket.txt" --limit "$N" --batch 64 --ar --model "$AR_MODEL" "${search[@]}"
+    if [[ " $MODELS " == *" diffusion "* ]]; then
+      run "diffusion-$budget-$bucket" --file "$DATA/test_$bucket.txt" --limit "$N" --batch 64 --model "$MODEL" "${search[@]}"
+    fi
+    if [[ " $MODELS " == *" ar "* ]]; then
+      run "ar-$budget-$bucket" --file "$DATA/test_$bucket.txt" --limit "$N" --batch 64 --ar --model "$AR_MODEL" "${search[@]}"
+    fi
   done
 done
 if [ -n "${SPEED:-}" ]; then  # seconds per puzzle, single shot, batch 1 and 64
