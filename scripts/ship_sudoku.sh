@@ -24,19 +24,7 @@ rm -rf "$DEST.tmp" "$RESULTS.tmp" && mkdir -p "$DEST.tmp" "$RESULTS.tmp/eval"
 cp "$CKPT"/model/config.json "$CKPT"/model/generation_config.json "$CKPT"/model/model.safetensors "$DEST.tmp/"
 DECODING=${DECODING:-scripts/sudoku-decoding.json}
 # merge the decoding settings into generation_config.json; print them as `dgemma sudoku eval` flags
-DECODE_ARGS=$(python - "$DEST.tmp/generation_config.json" "$DECODING" <<'PY'
-import json, sys
-from pathlib import Path
-from dgemma.config import SamplingConfig
-path, chosen = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-gen = json.loads(path.read_text())
-knobs = {key: chosen[key] for key in ("t_max", "t_min", "max_denoising_steps", "entropy_bound")}
-gen.update(SamplingConfig.from_hf_dict(gen).replace(**knobs).to_hf_dict())  # as save_pretrained writes it
-path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-print(f"--t-max {knobs['t_max']} --t-min {knobs['t_min']} --steps {knobs['max_denoising_steps']} "
-      f"--entropy-bound {knobs['entropy_bound']}")
-PY
-)
+DECODE_ARGS=$(python scripts/write_decoding.py "$DEST.tmp/generation_config.json" "$DECODING")
 cp "$DECODING" "$RESULTS.tmp/decoding.json"
 echo '{"task": "sudoku"}' > "$DEST.tmp/dgemma_task.json"
 RUN=$(dirname "$(dirname "$CKPT")")

@@ -20,16 +20,7 @@ for pair in "$RUN:dgemma/assets/sudoku" "$AR_RUN:dgemma/assets/sudoku-ar"; do
   chmod 644 "$dest.tmp"/*
   echo '{"task": "sudoku"}' > "$dest.tmp/dgemma_task.json"
 done
-python - dgemma/assets/sudoku.tmp/generation_config.json scripts/sudoku-decoding.json <<'PY'
-import json, sys
-from pathlib import Path
-from dgemma.config import SamplingConfig
-path, chosen = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-gen = json.loads(path.read_text())
-knobs = {key: chosen[key] for key in ("t_max", "t_min", "max_denoising_steps", "entropy_bound")}
-gen.update(SamplingConfig.from_hf_dict(gen).replace(**knobs).to_hf_dict())  # as save_pretrained writes it
-path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-PY
+python scripts/write_decoding.py dgemma/assets/sudoku.tmp/generation_config.json scripts/sudoku-decoding.json >/dev/null
 rm -rf dgemma/assets/sudoku && mv dgemma/assets/sudoku.tmp dgemma/assets/sudoku
 rm -rf dgemma/assets/sudoku-ar && mv dgemma/assets/sudoku-ar.tmp dgemma/assets/sudoku-ar
 rm -rf "$LOGS" && mkdir -p "$LOGS"
