@@ -147,6 +147,9 @@ def interleave(systems: list[Timed], repeats: int):
             timed.run(r)
 
 
+WARMUP_STEPS = 4
+
+
 class EngineTimed(Timed):
     def __init__(self, model, prompts, sampling: SamplingConfig, system: str):
         from dgemma.engine import Engine, positions_needed
@@ -156,7 +159,10 @@ class EngineTimed(Timed):
         L = model.config.canvas_length
         need = positions_needed(len(prompts[0]), sampling.max_new_tokens, L)
         self.engine = Engine(model, max_batch=self.batch, max_length=need, max_queue=self.batch)
-        self.engine.generate(prompts, sampling.replace(max_new_tokens=L), seeds=list(range(self.batch)))  # warm-up
+        # warm-up: one canvas of a few steps runs every kernel (and compiles) once; more would only cost time,
+        # which at the 26B shape on a CPU is ~17 s a step
+        warm = sampling.replace(max_new_tokens=L, max_denoising_steps=min(sampling.max_denoising_steps, WARMUP_STEPS))
+        self.engine.generate(prompts, warm, seeds=list(range(self.batch)))
 
     def generate(self, r: int) -> dict:
         self.engine.forwards = 0
