@@ -19,6 +19,7 @@ import torch
 
 import dgemma
 from dgemma.engine import Engine, positions_needed
+from dgemma.engine.allocator import keep_freed_memory
 from dgemma.model.random_weights import random_model
 
 PROMPT, CANVAS_TOKENS, STEPS = 64, 256, 16
@@ -49,6 +50,7 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as `dgemma bench` and the generating commands (else page faults every step)
     if not args.eager:
         import torch._inductor.config as inductor_config
 
