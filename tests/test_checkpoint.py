@@ -139,6 +139,11 @@ def test_vision_weights_load_and_save_back_under_their_names(tmp_path, hf_checkp
     assert "vision_config" in json.loads((tmp_path / "text" / "config.json").read_text())
     text_only = dgemma.load_model(tmp_path / "text")
     assert text_only.config.vision is None and text_only.vision_tower is None
+    # and a training run's memory plan, read from the folder before any weight, counts no tower either
+    from dgemma.training.model_setup import resolve_model_config
+
+    assert resolve_model_config(str(tmp_path / "text"), None, {}).vision is None
+    assert resolve_model_config(folder, None, {}).vision is not None
 
 
 def test_bf16_load(hf_checkpoints):

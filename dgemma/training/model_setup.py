@@ -71,9 +71,12 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     if model_dir is not None:
         if overrides:
             raise ConfigError("model field overrides (--set, --vocab-size) only apply with --init")
-        from dgemma.model.checkpoint import read_config
+        from dgemma.model.checkpoint import read_config, read_headers, without_missing_vision
 
-        return ModelConfig.from_hf_dict(read_config(Path(model_dir)))
+        # the shard headers say whether a vision tower is stored (config.json always describes one): the
+        # memory plan must count what the run will hold
+        config = ModelConfig.from_hf_dict(read_config(Path(model_dir)))
+        return without_missing_vision(config, read_headers(Path(model_dir)))
     return config_from_init(init, overrides)
 
 
