@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": "OpenAI-compatible HTTP server with a playground page",
     "sudoku": "solve and evaluate sudoku puzzles with the shipped model",
     "convert": "convert a Gemma 4 checkpoint into a DiffusionGemma checkpoint",
+    "quantize": "save a checkpoint in int8 or int4, to load without quantising again",
 }
 
 

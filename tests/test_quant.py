@@ -6,8 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dgemma
 import copy
+import json
+import shutil
+from pathlib import Path
+
+import dgemma
+from dgemma.cli import main as dgemma_main
+from dgemma.config import ConfigError
+from dgemma.model import CheckpointError
+from dgemma.training.weights import meta_model
 
 from dgemma.model import quant
 from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
@@ -85,12 +93,51 @@ def test_quantised_logits_cosine(trained_tiny, fmt, min_cos):
     assert ratio < (0.35 if fmt == "int8" else 0.25), ratio
 
 
-def test_quantised_model_refuses_to_save(tmp_path, hf_checkpoints):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantised_checkpoint_loads_as_saved(tmp_path, hf_checkpoints, capsys, fmt):
+    """`dgemma quantize` writes the codes and scales; loading that folder gives exactly the model that
+    quantising while loading gives (bf16, on a CPU: int4 through torch's int4 matmul in both), with nothing
+    to quantise, and it refuses what it cannot honour."""
     folder, _ = hf_checkpoints["alternating"]
-    quant = dgemma.load_model(folder, quantize="int8")
-    with pytest.raises(ValueError, match="quantised model cannot be saved"):
-        dgemma.save_pretrained(quant, tmp_path / "q")
-    assert not (tmp_path / "q").exists()
+    direct = dgemma.load_model(folder, dtype=torch.bfloat16, quantize=fmt)
+    out = tmp_path / f"q-{fmt}"
+    assert dgemma_main(["quantize", str(folder), str(out), "--format", fmt]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "dgemma", "format": fmt, "group_size": quant.GROUP_SIZE[fmt]}
+    calls = quant.dequantize_calls
+    saved = dgemma.load_model(out, dtype=torch.bfloat16)
+    assert saved.quantization == fmt and quant.dequantize_calls == calls  # read, not quantised again
+    assert weight_bytes(saved) == weight_bytes(direct)
+    assert saved.layers[0].experts.kernel_layout == direct.layers[0].experts.kernel_layout == (fmt == "int4")
+    assert set(saved.load_report.values()) == {"read"}  # every stored tensor has a place
+    assert torch.equal(_step_logits(saved), _step_logits(direct))
+    assert dgemma.load_model(out, dtype=torch.bfloat16, quantize=fmt).quantization == fmt
+    stored_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    dense_bytes = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))  # fp32 there
+    assert stored_bytes < 0.45 * dense_bytes  # bf16 would be half (embedding and vision tower stay bf16)
+    capsys.readouterr()
+    assert dgemma_main(["info", "--model", str(out)]) == 0  # its memory model in the stored format
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]["format"] == fmt
+    other = "int8" if fmt == "int4" else "int4"
+    with pytest.raises(CheckpointError, match=f"stored in {fmt}"):
+        dgemma.load_model(out, quantize=other)
+    with pytest.raises(ConfigError, match="training needs the unquantised checkpoint"):
+        meta_model(str(out), saved.config, 1, torch.float32)
+    if fmt == "int4":  # the CPU kernel's layout is not the saved one
+        with pytest.raises(ValueError, match="repacked for torch's CPU int4 matmul"):
+            dgemma.save_pretrained(saved, tmp_path / "again")
+        assert not (tmp_path / "again").exists()
+
+
+def test_foreign_quantisation_is_refused(tmp_path, hf_checkpoints):
+    folder, _ = hf_checkpoints["alternating"]
+    copy_of = tmp_path / "foreign"
+    shutil.copytree(folder, copy_of)
+    config = json.loads((copy_of / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (copy_of / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not a format dgemma reads"):
+        dgemma.load_model(copy_of)
 
 
 def _tiny_quantised(fmt, dtype, seed=0):

@@ -20,8 +20,8 @@ def add_arguments(p):
     src.add_argument("--model", help="a Hugging Face format model folder or a Hugging Face id (org/name)")
     add_revision_argument(p)
     src.add_argument("--preset", help="a named config, e.g. diffusiongemma-26b-a4b, tiny, bench-20m")
-    p.add_argument("--quantize", choices=["bf16", "int8", "int4"], default="bf16",
-                   help="weight format for the memory model (default bf16)")
+    p.add_argument("--quantize", choices=["bf16", "int8", "int4"], default=None,
+                   help="weight format for the memory model (default: the format a folder stores, else bf16)")
     p.add_argument("--batch", type=int, default=1, help="batch size for the memory model (default 1)")
     p.add_argument("--context", type=int, default=8192, help="tokens of context per request (default 8192)")
     t = p.add_argument_group("training plan (--train): bytes per process under FSDP2")
@@ -151,15 +151,17 @@ def run(args):
     if args.model:
         from pathlib import Path
 
-        from dgemma.model.checkpoint import inspect_checkpoint
+        from dgemma.model.checkpoint import inspect_checkpoint, read_config, stored_quantization
 
         # every shard's header against the index and the file sizes, every key's fate; no weight is read
         config, stored, plan = inspect_checkpoint(Path(args.model))
         checked = _checkpoint_summary(stored, plan)
         name = args.model
+        args.quantize = args.quantize or stored_quantization(read_config(Path(args.model))) or "bf16"
     else:
         config = get_preset(args.preset)
         name = args.preset
+        args.quantize = args.quantize or "bf16"
     info = summary(config)
     mem = memory_model(config, args.quantize, args.batch, args.context)
     c = config

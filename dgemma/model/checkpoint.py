@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import load_dense_into, swap_modules, use_cpu_int4_kernel
+from dgemma.model.quant import (FORMATS, GROUP_SIZE, is_kernel_layout, load_dense_into, quantised_tensors, swap_modules,
+                                use_cpu_int4_kernel)
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -39,6 +40,7 @@ MULTIMODAL = "model.encoder."  # vision_tower.*, embed_vision.*
 VISION_PREFIXES = ("vision_tower.", "embed_vision.")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+QUANT_METHOD = "dgemma"  # config.json's quantization_config.quant_method of a folder saved quantised
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "processor_config.json", "preprocessor_config.json")
 
@@ -92,6 +94,25 @@ def model_config(path: Path) -> tuple[dict, ModelConfig]:
         return cfg, ModelConfig.from_hf_dict(cfg)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+def stored_quantization(hf_config: dict) -> str | None:
+    """"int8" / "int4" when the folder holds weights dgemma saved quantised (`save_pretrained` of a quantised
+    model: codes and scales in dgemma's layout, see dgemma.model.quant), None for plain weights."""
+    q = hf_config.get("quantization_config")
+    if not q:
+        return None
+    fmt = q.get("format") if isinstance(q, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD or fmt not in FORMATS \
+            or q.get("group_size") != GROUP_SIZE[fmt]:
+        raise CheckpointError(f"config.json: quantization_config {q} is not a format dgemma reads (only its own "
+                              f"int8 / int4 saves); load the unquantised weights, with --quantize if wanted")
+    return fmt
+
+
+def quantization_config(fmt: str) -> dict:
+    """config.json's entry for weights saved in dgemma's `fmt` (transformers does not read these folders)."""
+    return {"quant_method": QUANT_METHOD, "format": fmt, "group_size": GROUP_SIZE[fmt]}
 
 
 # -- names --------------------------------------------------------------------------------------------
@@ -227,22 +248,35 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, tuple[int, ..
     return LoadPlan(sources, report)
 
 
+def _meta_model(config: ModelConfig, hf_config: dict, dtype: torch.dtype,
+                sampling: SamplingConfig | None = None) -> DiffusionGemma:
+    """The model a folder describes, on the meta device in `dtype`; with quantised modules in place when the
+    folder stores quantised weights (then `model.quantization` names the format)."""
+    with torch.device("meta"):
+        model = DiffusionGemma(config, sampling).to(dtype)  # quantised modules compute in the model dtype
+    fmt = stored_quantization(hf_config)
+    if fmt:
+        swap_modules(model, fmt)
+        model.quantization = fmt
+    return model
+
+
 def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], LoadPlan]:
     """Everything `load_model` checks before it reads a weight: config, shard headers, every key's fate."""
     path = Path(path)
     cfg, config = model_config(path)
     stored = read_headers(path)
     config = without_missing_vision(config, stored)
-    with torch.device("meta"):
-        model = DiffusionGemma(config)
+    model = _meta_model(config, cfg, torch.float32)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     return config, stored, plan_load(stored, expected, cfg, path)
 
 
 # -- loading --------------------------------------------------------------------------------------------
-def open_checkpoint(path: Path) -> tuple[DiffusionGemma, LoadPlan, dict[str, StoredTensor]]:
-    """The model a folder describes, on the meta device (with its config files attached for saving), and
-    the plan of which stored key fills which tensor; headers are checked, no weight is read."""
+def open_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tuple[DiffusionGemma, LoadPlan,
+                                                                           dict[str, StoredTensor]]:
+    """The model a folder describes, on the meta device in `dtype` (with its config files attached for
+    saving), and the plan of which stored key fills which tensor; headers are checked, no weight is read."""
     path = Path(path)
     cfg, config = model_config(path)
     gen_file = path / "generation_config.json"
@@ -252,8 +286,7 @@ def open_checkpoint(path: Path) -> tuple[DiffusionGemma, LoadPlan, dict[str, Sto
 
     stored = read_headers(path)
     config = without_missing_vision(config, stored)
-    with torch.device("meta"):
-        model = DiffusionGemma(config, sampling)
+    model = _meta_model(config, cfg, dtype, sampling)
     model.hf_config, model.hf_generation_config = cfg, gen
     model.source_dir = path
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -265,13 +298,22 @@ def open_checkpoint(path: Path) -> tuple[DiffusionGemma, LoadPlan, dict[str, Sto
     return model, plan, stored
 
 
-def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None):
+def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None,
+               cpu_int4_kernel: bool = True):
     """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`. `model.load_report` keeps every
-    checkpoint key's fate ("read" / "skipped: why")."""
+    checkpoint key's fate ("read" / "skipped: why").
+
+    quantize: quantise the dense weights while reading them. A folder saved quantised (`save_pretrained` of
+    a quantised model) loads in its own format with nothing to quantise. cpu_int4_kernel: repack a bf16 int4
+    model on a CPU for torch's int4 matmul (False keeps dgemma's layout, which `save_pretrained` writes)."""
     path = Path(path)
-    model, plan, stored = open_checkpoint(path)
-    model.to(dtype)  # on the meta device still: the quantised modules compute in the model dtype
-    quantised = swap_modules(model, quantize) if quantize else {}  # filled as their tensors are read
+    model, plan, stored = open_checkpoint(path, dtype)
+    saved_as = model.quantization
+    if saved_as and quantize not in (None, saved_as):
+        raise CheckpointError(f"{path}: the weights are stored in {saved_as}; load them as they are (without "
+                              f"--quantize) or quantise the unquantised checkpoint to {quantize}")
+    quantised = swap_modules(model, quantize) if quantize and not saved_as else {}  # filled as they are read
+    raw = quantised_tensors(model) if saved_as else {}  # stored codes and scales: read in their own dtypes
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, key in plan.sources.items():
         by_file[stored[key].file].append(name)
@@ -285,7 +327,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
                         tensor = f.get_tensor(key)
                     except (SafetensorError, OSError, RuntimeError) as e:
                         raise CheckpointError(f"{file}: cannot read {key} ({e})") from None
-                    target = dtype if tensor.is_floating_point() else tensor.dtype
+                    target = raw.get(name) or (dtype if tensor.is_floating_point() else tensor.dtype)
                     if name in quantised:
                         load_dense_into(quantised[name], name, tensor.to(device=device, dtype=target))
                     else:
@@ -300,8 +342,9 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     if left or unexpected:
         raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
     del loaded
-    model.quantization = quantize
-    use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
+    model.quantization = saved_as or quantize
+    if cpu_int4_kernel:
+        use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
     model.load_report = plan.report
     return model.eval()
 
@@ -325,8 +368,10 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
     Written into a temporary folder beside `out_dir`, then renamed into place: a crash never leaves a
     half-written checkpoint, and an existing `out_dir` is replaced only once the new one is complete.
     """
-    if getattr(model, "quantization", None):
-        raise ValueError("a quantised model cannot be saved in the checkpoint format; save the original")
+    fmt = getattr(model, "quantization", None)
+    if fmt and is_kernel_layout(model):
+        raise ValueError("this int4 model is repacked for torch's CPU int4 matmul; load it with "
+                         "cpu_int4_kernel=False to save it")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -336,6 +381,9 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
             weights = LazyWeights({n: t.numel() * t.element_size() for n, t in state.items()},
                                   lambda names: {n: state[n] for n in names})
         config = model.config.to_hf_dict(model.hf_config)
+        config.pop("quantization_config", None)
+        if fmt:  # codes and scales in dgemma's layout, read back by `load_model`
+            config["quantization_config"] = quantization_config(fmt)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = dict(model.hf_generation_config or {})
         gen.update(model.sampling_config.to_hf_dict())

@@ -75,7 +75,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def load_model(name, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None,
-               revision: str | None = None):
-    """`dgemma.load_model`: a model folder or a Hugging Face id -> our `DiffusionGemma` (the loading itself
-    is `checkpoint.load_model`)."""
-    return load_folder(resolve_model(name, revision), device=device, dtype=dtype, quantize=quantize)
+               revision: str | None = None, cpu_int4_kernel: bool = True):
+    """`dgemma.load_model`: a model folder or a Hugging Face id -> our `DiffusionGemma` (the loading itself,
+    and what `quantize` and `cpu_int4_kernel` do, is `checkpoint.load_model`)."""
+    return load_folder(resolve_model(name, revision), device=device, dtype=dtype, quantize=quantize,
+                       cpu_int4_kernel=cpu_int4_kernel)

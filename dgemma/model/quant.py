@@ -7,7 +7,9 @@ it run many more steps (seen in the MLX port), while the table is only 3% of the
 
 Quantising happens while loading (`load_model(..., quantize="int4")`): modules are swapped on the meta
 device first and each dense tensor is quantised the moment it is read, a chunk of rows at a time, so peak
-memory stays near the quantised size plus one shard.
+memory stays near the quantised size plus one shard. `save_pretrained` of a quantised model writes the codes
+and scales below (config.json: `quantization_config.quant_method` "dgemma"), which `load_model` reads back
+as they are (`dgemma quantize`).
 
 Running them: by default a weight is dequantised (through fp32) when its module runs, expert by expert for
 the fused experts. On CUDA, experts serving many tokens are dequantised all at once into one shared buffer
@@ -362,6 +364,17 @@ def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
         load_dense_into(module, name, dense[name])
     model.quantization = fmt
     return model
+
+
+def quantised_tensors(model: nn.Module) -> dict[str, torch.dtype]:
+    """The codes and scales buffers of every quantised module: state-dict name -> dtype."""
+    return {f"{prefix}.{name}": buffer.dtype for prefix, module in model.named_modules()
+            if isinstance(module, (QuantLinear, QuantExperts)) for name, buffer in module.named_buffers(recurse=False)}
+
+
+def is_kernel_layout(model: nn.Module) -> bool:
+    """Whether any module holds weights repacked for torch's CPU int4 matmul (`use_cpu_int4_kernel`)."""
+    return any(getattr(module, "kernel_layout", False) for module in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:

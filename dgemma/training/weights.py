@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma.config import ModelConfig, SamplingConfig
+from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.training.lora import LoRAExperts, LoRALinear, lora_init_
 
 BASE_NAME = re.compile(r"\.base\.(weight|bias)$")  # LoRALinear keeps the wrapped layer as `.base`
@@ -43,6 +43,9 @@ def meta_model(model_dir: str | None, config: ModelConfig, eos_id: int, dtype: t
     from dgemma.model.checkpoint import open_checkpoint
 
     model, plan, _ = open_checkpoint(Path(model_dir))
+    if model.quantization:
+        raise ConfigError(f"{model_dir}: its weights are stored in {model.quantization}; training needs the "
+                          f"unquantised checkpoint")
     return model.to(dtype), plan
 
 
