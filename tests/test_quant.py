@@ -118,6 +118,8 @@ def test_quantised_checkpoint_loads_as_saved(tmp_path, hf_checkpoints, capsys, f
     capsys.readouterr()
     assert dgemma_main(["info", "--model", str(out)]) == 0  # its memory model in the stored format
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]["format"] == fmt
+    assert dgemma_main(["bench", "--model", str(out), "--eager", "--no-startup"]) == 2  # transformers can't
+    assert "--no-transformers" in capsys.readouterr().err
     other = "int8" if fmt == "int4" else "int4"
     with pytest.raises(CheckpointError, match=f"stored in {fmt}"):
         dgemma.load_model(out, quantize=other)

@@ -102,6 +102,9 @@ def run(args):
     gen = torch.Generator().manual_seed(args.seed)
 
     hf = None
+    if not args.no_transformers and model.quantization and not args.quantize:
+        raise UsageError(f"{args.model} is stored in {model.quantization}, which transformers cannot load: add "
+                         f"--no-transformers, or bench the unquantised folder with --quantize")
     if not args.no_transformers:
         if args.quantize:
             print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
