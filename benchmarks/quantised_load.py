@@ -1,6 +1,6 @@
 """How long loading takes with quantising while loading: a synthetic sharded bf16 checkpoint (random weights,
 written once), loaded as bf16, int8 and int4 (int4 on a bf16 CPU model includes repacking for torch's CPU
-int4 matmul). The shards sit in the page cache after writing, so the times are the CPU's work, not the disk's.
+int4 matmul), and the int4 folder `dgemma quantize` writes, loaded as stored. The shards sit in the page cache after writing, so the times are the CPU's work, not the disk's.
 
     python benchmarks/quantised_load.py [--experts 64] [--layers 10] [--hidden 1024]
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 
@@ -40,14 +41,26 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory(prefix="dgemma-load-") as folder:
         dgemma.save_pretrained(random_model(config, dtype=torch.bfloat16), folder, max_shard_bytes=args.shard_mb << 20)
-        for fmt in (None, "int8", "int4"):
+
+        def timed_load(label: str, path, **kwargs):
             start = time.perf_counter()
-            model = dgemma.load_model(folder, dtype=torch.bfloat16, quantize=fmt)
+            model = dgemma.load_model(path, dtype=torch.bfloat16, **kwargs)
             seconds = time.perf_counter() - start
-            del model
-            rows.append({"format": fmt or "bf16", "seconds": round(seconds, 2),
+            rows.append({"format": label, "seconds": round(seconds, 2),
                          "seconds_per_billion": round(seconds / params * 1e9, 1),
                          "minutes_at_26b": round(seconds / params * PARAMS_26B / 60, 1)})
+            del model
+
+        for fmt in (None, "int8", "int4"):
+            timed_load(fmt or "bf16", folder, quantize=fmt)
+        # `dgemma quantize`: quantised once and saved; loading that folder reads it as stored
+        saved = f"{folder}-int4"
+        dgemma.save_pretrained(dgemma.load_model(folder, dtype=torch.bfloat16, quantize="int4", cpu_int4_kernel=False),
+                               saved, max_shard_bytes=args.shard_mb << 20)
+        try:
+            timed_load("int4, saved by dgemma quantize", saved)
+        finally:
+            shutil.rmtree(saved, ignore_errors=True)
     print(f"{params / 1e9:.2f}B parameters, bf16 shards of <= {args.shard_mb} MB, {torch.get_num_threads()} threads")
     print("| format | seconds | s per billion | 26B-A4B at that rate (min) |\n|---|---|---|---|")
     for r in rows:
