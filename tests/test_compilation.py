@@ -45,6 +45,13 @@ def test_compile_policy_flags_environment_and_warm_cache(model, monkeypatch, tmp
     monkeypatch.setenv("DGEMMA_EAGER", "1")
     assert not wants_compile(_args(True), model) and not wants_compile(_args("warm"), model)
     assert wants_compile(_args(True, "--compile"), model)
+    # a big model on a CPU: eager unless asked or already compiled once (the tiny one stands in for it)
+    monkeypatch.delenv("DGEMMA_EAGER")
+    monkeypatch.setattr(compilation, "CPU_EAGER_ABOVE_PARAMS", model.config.param_counts()["total"] - 1)
+    big = copy.deepcopy(model).to(torch.bfloat16)
+    assert not wants_compile(_args(True), big) and wants_compile(_args(True, "--compile"), big)
+    compilation.mark_warm(big, compilation.default_mode(big.device))
+    assert wants_compile(_args(True), big)
     # the mode by device (a CUDA device needs no GPU to be named)
     assert compilation.default_mode("cpu") == "max-autotune-no-cudagraphs"
     assert compilation.default_mode("cuda") == "default"

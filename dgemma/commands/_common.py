@@ -90,6 +90,11 @@ def wants_compile(args, model) -> bool:
     default = getattr(args, "compile_by_default", False)
     if default == "warm":
         return compilation.is_warm(model, compile_mode(args, model))
+    if default and not compilation.compiles_by_default(model, compile_mode(args, model)):
+        print(f"note: {model.config.param_counts()['total'] / 1e9:.1f}B parameters on a CPU: running eagerly (its "
+              f"step is big matmuls compiling does not speed up, and the compile takes many minutes); "
+              f"--compile to compile anyway", file=sys.stderr)
+        return False
     return bool(default)
 
 
