@@ -15,7 +15,7 @@ model's compiled step is already in that cache, and the fallback to eager when c
   config, dtype, quantisation, device type, mode, torch version) is written in that cache directory.
   One-shot commands compile by default only when it exists (`is_warm`).
 - Size: on a CPU a model above a billion parameters runs eagerly by default (`compiles_by_default`): its step
-  is large matmuls that compiling does not speed up, and compiling it takes longer than a session.
+  is large matmuls that compiling does not speed up, and compiling it takes longer than many canvases do.
 - Fallback: compiling needs a C++ compiler on a CPU and triton on a GPU. Without them, or when a compile
   raises, the model runs eagerly, after one warning line on stderr.
 """
