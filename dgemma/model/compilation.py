@@ -33,8 +33,8 @@ import torch
 
 CPU_MODE = "max-autotune-no-cudagraphs"
 # Above this many parameters a CPU runs eagerly unless asked (`--compile`) or the cache is warm: the step is
-# the big matmuls (the 26B-A4B's: 17 s, 97% matmuls and int4 kernels that compiling does not change), while
-# its cold compile on 2 cores had not finished after 20 minutes.
+# big matmuls (the 26B-A4B's: 17 s, nearly all int4 kernels and bf16 matmuls that compiling does not
+# change), while its cold compile on 2 cores had not finished after 20 minutes.
 CPU_EAGER_ABOVE_PARAMS = 1_000_000_000
 CUDA_MODE = "default"
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
