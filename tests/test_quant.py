@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import torch.nn.functional as F
-
 import copy
 import json
 import shutil
 from pathlib import Path
 
+import pytest
+import torch
+import torch.nn.functional as F
+
 import dgemma
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
-from dgemma.model import CheckpointError
-from dgemma.training.weights import meta_model
-
-from dgemma.model import quant
+from dgemma.model import CheckpointError, quant
 from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
                                 use_cpu_int4_kernel, weight_bytes)
+from dgemma.training.weights import meta_model
 
 
 @pytest.mark.parametrize("fmt,tol", [("int8", 0.01), ("int4", 0.15)])

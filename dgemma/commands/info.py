@@ -151,13 +151,13 @@ def run(args):
     if args.model:
         from pathlib import Path
 
-        from dgemma.model.checkpoint import inspect_checkpoint, read_config, stored_quantization
+        from dgemma.model.checkpoint import inspect_checkpoint
 
         # every shard's header against the index and the file sizes, every key's fate; no weight is read
-        config, stored, plan = inspect_checkpoint(Path(args.model))
+        config, stored, plan, stored_format = inspect_checkpoint(Path(args.model))
         checked = _checkpoint_summary(stored, plan)
         name = args.model
-        args.quantize = args.quantize or stored_quantization(read_config(Path(args.model))) or "bf16"
+        args.quantize = args.quantize or stored_format or "bf16"
     else:
         config = get_preset(args.preset)
         name = args.preset

@@ -261,15 +261,16 @@ def _meta_model(config: ModelConfig, hf_config: dict, dtype: torch.dtype,
     return model
 
 
-def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], LoadPlan]:
-    """Everything `load_model` checks before it reads a weight: config, shard headers, every key's fate."""
+def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], LoadPlan, str | None]:
+    """Everything `load_model` checks before it reads a weight: config, shard headers, every key's fate, and
+    the format the weights are stored in (None: unquantised)."""
     path = Path(path)
     cfg, config = model_config(path)
     stored = read_headers(path)
     config = without_missing_vision(config, stored)
     model = _meta_model(config, cfg, torch.float32)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    return config, stored, plan_load(stored, expected, cfg, path)
+    return config, stored, plan_load(stored, expected, cfg, path), model.quantization
 
 
 # -- loading --------------------------------------------------------------------------------------------
