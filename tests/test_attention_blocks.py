@@ -34,6 +34,18 @@ def test_query_blocks_give_the_unblocked_output(backend, with_mask):
     assert torch.equal(blocks, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unmasked_query_heads_folded_onto_their_kv_head_give_the_gqa_output(dtype):
+    """Without a mask (a canvas that sees its whole prefix) the query heads of one KV head run as one head
+    of group * T queries: bit-identical to SDPA's GQA broadcast, query heads from a transposed projection."""
+    g = torch.Generator().manual_seed(1)
+    for Hq, Hkv in ((4, 2), (8, 1), (4, 4)):
+        q = torch.randn(2, 24, Hq, 32, generator=g).to(dtype).transpose(1, 2)  # (B, Hq, T, D), not contiguous
+        k, v = (torch.randn(2, Hkv, 40, 32, generator=g).to(dtype) for _ in range(2))
+        whole = F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)
+        assert torch.equal(attention(q, k, v, None), whole)
+
+
 def test_long_prefill_memory_is_bounded():
     """SDPA's math kernel (what CUDA falls back to at the full layers' head dim 512 with GQA and a mask)
     holds (B, Hq, T, S) fp32 scores and their softmax: ~2.4 such buffers at once, measured. With the

@@ -15,7 +15,8 @@ V26 = 262_144  # the released vocabulary
 def test_chunk_choice():
     # CPU: a 262k vocabulary is not read 64 times for one canvas (the old 4-row blocks)
     assert vocab_chunk_rows(256, V26, "cpu") == VOCAB_MIN_ROWS
-    assert vocab_chunk_rows(256, 8192, "cpu") == 128  # small vocabularies: cache-sized blocks
+    assert vocab_chunk_rows(256, 8192, "cpu") == 256  # small vocabularies: a canvas in one block
+    assert vocab_chunk_rows(512, 8192, "cpu") == 256
     assert vocab_chunk_rows(3, V26, "cpu") == 3
     # GPU: one matmul when the (rows, V) bf16 temporary takes at most a quarter of the free memory
     assert vocab_chunk_rows(4 * 256, V26, "cuda", free_bytes=80 << 30) == 1024

@@ -129,15 +129,26 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     # of a bench-20m step). Eagerly that would take (n, V) temporaries; torch's argmax takes none.
     argmax = _first_index_of(x, top) if compiling else x.argmax(-1)
     # s - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
-    x.sub_(top).clamp_(min=torch.finfo(x.dtype).min)
-    e = torch.exp(x)
-    z = e.sum(-1)
-    if compiling:  # fused into the loop over V
-        expected_shift = torch.linalg.vecdot(e, x) / z  # E_p[s - m]
-    else:  # eagerly vecdot would make an (n, V) product buffer; a batched matmul makes none
+    floor = torch.finfo(x.dtype).min
+    if compiling:
+        # Out of place, and the probabilities exp'd again in the loop that writes them: were e reused,
+        # inductor would store it as an (n, V) buffer between its reduction loop and the writing loop,
+        # one more pass over V-sized memory. exp(s - m) without the floor is the same number (exp of
+        # -inf is 0 too), and being a different expression it is not merged with e.
+        shifted = x.sub_(top)
+        floored = shifted.clamp(min=floor)
+        e = torch.exp(floored)
+        z = e.sum(-1)
+        expected_shift = torch.linalg.vecdot(e, floored) / z  # E_p[s - m], fused into the loop over V
+        probs = torch.exp(shifted)
+    else:
+        x.sub_(top).clamp_(min=floor)
+        e = probs = torch.exp(x)
+        z = e.sum(-1)
+        # vecdot would make an (n, V) product buffer; a batched matmul makes none
         expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
-    torch.div(e, z[:, None], out=x)  # the buffer now holds the probabilities
+    torch.div(probs, z[:, None], out=x)  # the buffer now holds the probabilities
     return argmax, entropy
 
 
