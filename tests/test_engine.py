@@ -153,6 +153,21 @@ def test_compiled_decoder_gives_the_same_tokens(model):
     # decoder and encoder variants (static, then dynamic shapes) + the sampler scan: no recompile storm
     assert 0 < counters["stats"]["unique_graphs"] <= 14
 
+    # On a CPU the compiled step reads q|k|v and gate|up as one fused copy of the weights; a weight changed in
+    # place or replaced after compiling is what the next compiled call computes with
+    assert all(f.weight is not None for f in compiled._fused)
+    with torch.no_grad():
+        for m in (model, compiled):
+            m.layers[0].self_attn.v_proj.weight.mul_(1.5)
+            m.self_conditioning.up_proj.weight.add_(0.01)
+            m.layers[1].mlp.gate_proj.weight = torch.nn.Parameter(m.layers[1].mlp.gate_proj.weight * -1)
+        cache_a, cache_b = model.new_cache(1, 64), compiled.new_cache(1, 64)
+        model.encode(prompt, cache_a, return_logits=False)
+        compiled.encode(prompt, cache_b, return_logits=False)
+        soft = torch.randn(1, model.config.canvas_length, model.config.hidden_size)
+        torch.testing.assert_close(compiled.denoise(canvas, cache_b, soft_embedding=soft),
+                                   model.denoise(canvas, cache_a, soft_embedding=soft), rtol=1e-4, atol=1e-4)
+
 
 def test_compiled_quantised_decoder_gives_the_same_tokens(model):
     """Quantised experts dequantise expert by expert, so under compile they run as the opaque custom op

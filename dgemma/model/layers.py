@@ -43,6 +43,51 @@ def gated_gelu(gate_up: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return gelu(gate) * up
 
 
+class FusedLinears:
+    """Bias-free Linear layers of one module that read the same input, as one (sum of outs, in) weight: one
+    matmul instead of several (on 2 CPU cores at a canvas's 256 rows, q|k|v ~90 us faster per layer than
+    three matmuls, gate|up ~30 us). A copy beside the layers' own weights, used by compiled graphs on a
+    CPU (`DiffusionGemma.compile_decoder` makes it), and made again by `refresh` whenever a weight changed
+    in place (its version counter), was replaced, or its layer is no longer a plain nn.Linear (LoRA,
+    quantised): then `weight` is None and the layers run one by one."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, names
+        self.weight: torch.Tensor | None = None
+        self.splits = ()
+        self._stamp = None
+        self.refresh()
+
+    def _layers(self) -> list[nn.Module]:
+        return [getattr(self.owner, name) for name in self.names]
+
+    @torch.no_grad()
+    def refresh(self):
+        """Called eagerly before each compiled call; costs a few attribute reads when nothing changed."""
+        layers = self._layers()
+        if not all(type(layer) is nn.Linear and layer.bias is None for layer in layers):
+            self.weight, self._stamp = None, None
+            return
+        stamp = tuple((layer.weight.data_ptr(), layer.weight._version, layer.weight.dtype) for layer in layers)
+        if stamp == self._stamp:
+            return
+        fused = torch.cat([layer.weight for layer in layers])
+        if self.weight is not None and self.weight.shape == fused.shape and self.weight.dtype == fused.dtype:
+            self.weight.copy_(fused)  # the same tensor, so the compiled graph's guards still hold
+        else:
+            self.weight = fused
+        self.splits = tuple(layer.weight.shape[0] for layer in layers)
+        self._stamp = stamp
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.splits, dim=-1)
+
+
+def fused_inside_graphs(fused: FusedLinears | None) -> bool:
+    """Whether to run the one fused matmul: inside a compiled graph, with a fused copy in place."""
+    return fused is not None and fused.weight is not None and torch.compiler.is_compiling()
+
+
 class GatedMLP(nn.Module):
     """down(gelu(gate(x)) * up(x)): the dense MLP of every layer and of the self-conditioning block."""
 
@@ -51,6 +96,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.fused_gate_up: FusedLinears | None = None  # see FusedLinears
 
     def forward(self, x):
+        if fused_inside_graphs(self.fused_gate_up):
+            gate, up = self.fused_gate_up(x)
+            return self.down_proj(gelu(gate) * up)
         return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))

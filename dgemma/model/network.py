@@ -31,7 +31,7 @@ from dgemma.model.attention import (
 )
 from dgemma.model import compilation
 from dgemma.model.experts import Experts, register_for_compile
-from dgemma.model.layers import GatedMLP, RMSNorm
+from dgemma.model.layers import FusedLinears, GatedMLP, RMSNorm, fused_inside_graphs
 from dgemma.model.vision import VisionEmbedder, VisionTower
 
 
@@ -83,6 +83,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
+        self.fused_qkv: FusedLinears | None = None  # q|k(|v) as one matmul in compiled graphs, see FusedLinears
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, T, H) -> q (B, Hq, T, D) and the tokens' cache entries (k, v), each (B, Hkv, T, D).
@@ -91,12 +92,16 @@ class Attention(nn.Module):
         `keys_values` turns entries into keys and values when attending.
         """
         B, T, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)), cos, sin)
-        k_raw = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if fused_inside_graphs(self.fused_qkv):
+            q, k_raw, *v = self.fused_qkv(x)
+        else:
+            q, k_raw, v = self.q_proj(x), self.k_proj(x), [self.v_proj(x)] if self.v_proj is not None else []
+        q = apply_rope(self.q_norm(q.view(B, T, self.num_heads, self.head_dim)), cos, sin)
+        k_raw = k_raw.view(B, T, self.num_kv_heads, self.head_dim)
         if self.v_proj is None:
             return q.transpose(1, 2), k_raw.transpose(1, 2), None
         k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_norm(v[0].view(B, T, self.num_kv_heads, self.head_dim))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor | None, key_rope):
@@ -228,6 +233,7 @@ class DiffusionGemma(nn.Module):
             self.embed_vision = VisionEmbedder(config.vision, config.hidden_size)
         self._inv_freq: dict = {}
         self._compiled_encoder = None  # `encode_tokens` compiled, for passes without gradients
+        self._fused: list[FusedLinears] = []  # fused projection copies of the compiled CPU step
         self._compile_state = None  # shared by the compiled functions (`dgemma.model.compilation`)
         self._compile_options: dict = {}
         if self.embed_tokens.weight.device.type != "meta":
@@ -373,6 +379,8 @@ class DiffusionGemma(nn.Module):
         # prompts with images run eagerly (rare, and a graph less to compile)
         compiled = self._compiled_encoder is not None and not torch.is_grad_enabled() and images is None
         layers = self._compiled_encoder if compiled else self.encode_tokens
+        if compiled:
+            self.refresh_fused()
         x, entries = layers(input_ids, prefixes, rope, key_rope, masks, images)
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
@@ -449,6 +457,7 @@ class DiffusionGemma(nn.Module):
             # MLP of zero is zero), and one graph fewer.
             if soft is None:
                 soft = torch.zeros(B, L, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.refresh_fused()
             return self.decode_canvas(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks,
                                       return_hidden)
         # training (keep_all cache) or gradients: the canvas's entries concatenated before the prefix
@@ -484,6 +493,8 @@ class DiffusionGemma(nn.Module):
         which lets inductor time its own kernels against ATen's and keep the faster (its choices follow
         timings, so they can vary between runs on a noisy machine: benchmarks/README.md); on CUDA
         "default" (no autotuning, no CUDA graphs: the step writes into the KV cache, its input).
+        On a CPU the projections that read the same input run as one matmul in the compiled graphs (q|k|v,
+        gate|up: `FusedLinears`, a fused copy of those weights, kept in step with them before each call).
         `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels and
         allocates their buffers in C++ instead of Python: less interpreter time per step, against a slower
         first compile. Compiled code goes to torch's on-disk caches, so a second start is quick. Where
@@ -504,6 +515,14 @@ class DiffusionGemma(nn.Module):
         # the experts' grid capacity is read from a tensor inside the graph (an unbacked size); without
         # this, dynamo would break the graph at every layer there
         torch._dynamo.config.capture_scalar_outputs = True
+        if self.device.type == "cpu":  # projections that read the same input as one matmul (FusedLinears)
+            for block in self.layers:
+                attn = block.self_attn
+                attn.fused_qkv = FusedLinears(attn, ("q_proj", "k_proj") + (("v_proj",) if attn.sliding else ()))
+                self._fused.append(attn.fused_qkv)
+            for mlp in [block.mlp for block in self.layers] + [self.self_conditioning]:
+                mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
+                self._fused.append(mlp.fused_gate_up)
         options = dict(torch._inductor.list_mode_options(mode))
         options["cpp_wrapper"] = self.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
         self._compile_state = compilation.CompileState(self, mode)
@@ -520,6 +539,12 @@ class DiffusionGemma(nn.Module):
             return fn
         return compilation.CompiledOrEager(fn, self._compile_state, mark=mark,
                                            **{"options": self._compile_options, **compile_kwargs})
+
+    def refresh_fused(self):
+        """Bring the compiled step's fused projection weights (`FusedLinears`) up to date with the layers'
+        own, before a compiled call: a few attribute reads per layer when nothing changed."""
+        for fused in self._fused:
+            fused.refresh()
 
     @property
     def decoder_compiled(self) -> bool:
