@@ -35,6 +35,7 @@ def test_query_blocks_give_the_unblocked_output(backend, with_mask):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()  # the folded path is for passes without autograd
 def test_unmasked_query_heads_folded_onto_their_kv_head_give_the_gqa_output(dtype):
     """Without a mask (a canvas that sees its whole prefix) the query heads of one KV head run as one head
     of group * T queries: bit-identical to SDPA's GQA broadcast, query heads from a transposed projection."""

@@ -70,10 +70,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rows = max(1, chunk_elements // (B * Hq * S))
-    if rows >= T and mask is None and Hq > Hkv:
+    if rows >= T and mask is None and Hq > Hkv and not torch.is_grad_enabled():
         # Without a mask every query row is on its own, so the heads that share a KV head are one head of
         # group * T queries: the same numbers, and the CPU flash kernel works on longer query blocks
-        # (10-13% faster on full layers, 4 or 8 query heads per KV head; the same on sliding ones).
+        # (10-13% faster on full layers, 4 or 8 query heads per KV head; the same on sliding ones). Not
+        # under autograd: there the backward would sum the key and value gradients in another order.
         folded = q.reshape(B, Hkv, Hq // Hkv * T, D)
         return F.scaled_dot_product_attention(folded, k, v, scale=1.0).view(B, Hq, T, v.shape[-1])
     if rows >= T:
