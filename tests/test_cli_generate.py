@@ -149,7 +149,7 @@ def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_mod
     import rich.console
 
     from dgemma.commands.chat import AnswerPrinter
-    from dgemma.serving.codec import TextCodec
+    from dgemma.chat.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)

@@ -16,7 +16,7 @@ import pytest
 import dgemma
 from dgemma.engine import Engine
 from dgemma.images import ImageProcessor, open_image, prompt_with_images
-from dgemma.serving.codec import TextCodec
+from dgemma.chat.codec import TextCodec
 from dgemma.tokenizer import Tokenizer
 from tests.conftest import png_bytes, png_claiming, torch_threads
 from test_server import MODEL, ServerProcess

@@ -13,7 +13,7 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Event
-from dgemma.serving.codec import TextAssembler
+from dgemma.chat.codec import TextAssembler
 from dgemma.serving.worker import EngineWorker, RequestStream
 from dgemma.tasks import read_task
 from dgemma.tasks.sudoku_codec import SudokuCodec
@@ -51,7 +51,7 @@ def test_byte_fallback_runs_are_sent_once_settled(gemma_tokenizer_model_dir):
     """Byte tokens decode as one run: "é" (C3 A9) becomes three U+FFFD when a stray byte joins its run in
     the next canvas. The run's text waits until another token closes it, so the deltas add up to the
     decoded whole however the canvases cut."""
-    from dgemma.serving.codec import TextCodec
+    from dgemma.chat.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)

@@ -12,9 +12,9 @@ import re
 import jsonschema
 import pytest
 
-from dgemma.serving.chat_output import ChatOutput
-from dgemma.serving.tool_calls import SyntaxProblem, format_value, parse_call, parse_value
-from dgemma.serving.tool_schema import CallGrammar, SchemaError, text_without
+from dgemma.chat.chat_output import ChatOutput
+from dgemma.chat.tool_calls import SyntaxProblem, format_value, parse_call, parse_value
+from dgemma.chat.tool_schema import CallGrammar, SchemaError, text_without
 
 Q = '<|"|>'
 
@@ -286,8 +286,8 @@ def test_constrained_canvases_are_valid_calls_whatever_the_distributions(gemma_t
     answer is one or more calls to the tools, with arguments valid under their schemas, marks as tokens."""
     import torch
 
-    from dgemma.serving.chat_output import MARKS
-    from dgemma.serving.tool_schema import calls_constraint
+    from dgemma.chat.chat_output import MARKS
+    from dgemma.chat.tool_schema import calls_constraint
     from dgemma.structured import ENDED, constrained_canvas
     from dgemma.tokenizer import Tokenizer
 

@@ -30,8 +30,8 @@ class AnswerPrinter:
     (earlier thoughts are not sent back to the model, as Gemma 4's template drops them anyway)."""
 
     def __init__(self, codec, console):
-        from dgemma.serving.chat_output import ChatOutput
-        from dgemma.serving.codec import TextAssembler
+        from dgemma.chat.chat_output import ChatOutput
+        from dgemma.chat.codec import TextAssembler
 
         self.console = console
         self.assembler = TextAssembler(codec.decode_chat, [], codec.unsettled)
@@ -60,7 +60,7 @@ def run(args):
 
     from dgemma.commands.generate import DraftView, image_placeholder, open_images, user_content, with_images
     from dgemma.engine import Engine, Request
-    from dgemma.serving.codec import TextCodec
+    from dgemma.chat.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
 
     model = load_from_args(args)

@@ -201,7 +201,6 @@ def constraint_from_args(args, tokenizer):
     """The TokenAutomaton --json-schema FILE / --json-object ask for, or None."""
     if args.json_schema is None and not args.json_object:
         return None
-    from dgemma.cli import UsageError
     from dgemma.structured import (
         ConstraintError,
         SchemaError,

@@ -46,7 +46,7 @@ def run(args):
     import uvicorn
 
     from dgemma.serving.app import create_app
-    from dgemma.serving.codec import TextCodec
+    from dgemma.chat.codec import TextCodec
     from dgemma.serving.state import ServerState
     from dgemma.serving.worker import EngineWorker
     from dgemma.tasks import read_task, task_codec

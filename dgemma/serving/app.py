@@ -30,7 +30,7 @@ from fastapi.staticfiles import StaticFiles
 
 from dgemma.serving import openapi
 from dgemma.serving.chat_protocol import ChatCompletionRequest
-from dgemma.serving.codec import PromptError
+from dgemma.chat.codec import PromptError
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.handlers import echo_only, generate, score, tool_constraint
 from dgemma.serving.http_plumbing import JSONBodyRoute, add_error_handlers

@@ -23,16 +23,16 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from dgemma.config import ConfigError, SamplingConfig
-from dgemma.serving.chat_output import ChatOutput
+from dgemma.chat.chat_output import ChatOutput
 from dgemma.serving.chat_protocol import ChatCompletionRequest
-from dgemma.serving.codec import TextAssembler
+from dgemma.chat.codec import TextAssembler
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.http_plumbing import sse
 from dgemma.serving.protocol import CompletionRequest
 from dgemma.serving.responses import ChunkWriter, usage
 from dgemma.serving.scores import scored_choice
 from dgemma.serving.state import ServerState
-from dgemma.serving.tool_schema import calls_constraint
+from dgemma.chat.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 

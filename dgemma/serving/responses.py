@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from dgemma.serving.tool_calls import openai_tool_call
+from dgemma.chat.tool_calls import openai_tool_call
 
 
 def new_id(prefix: str) -> str:

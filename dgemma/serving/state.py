@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from dgemma.config import SamplingConfig
-from dgemma.serving.codec import Codec
+from dgemma.chat.codec import Codec
 from dgemma.serving.image_urls import ImageReader
 from dgemma.serving.worker import EngineWorker
 

@@ -28,7 +28,7 @@ def read_task(folder: str | Path) -> str:
 
 
 def task_codec(task: str, vocab_size: int):
-    """The server's codec (dgemma.serving.codec.Codec) for a task other than text."""
+    """The server's codec (dgemma.chat.codec.Codec) for a task other than text."""
     if task == "sudoku":
         from dgemma.tasks.sudoku_codec import SudokuCodec
 

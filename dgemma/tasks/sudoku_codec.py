@@ -4,7 +4,7 @@ Its vocabulary of 16 needs no tokenizer file."""
 
 from __future__ import annotations
 
-from dgemma.serving.codec import Codec, PromptError
+from dgemma.chat.codec import Codec, PromptError
 from dgemma.tasks import sudoku
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dgemma.serving.tool_calls import (
+from dgemma.chat.tool_calls import (
     CALL_END,
     CALL_START,
     QUOTE,

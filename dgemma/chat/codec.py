@@ -1,6 +1,6 @@
-"""What the server reads and writes for one model: prompts to token ids, token ids to text.
+"""What the server and `dgemma chat` read and write for one model: prompts to token ids, token ids to text.
 
-`Codec` is what the server knows of a model's task. `TextCodec` serves a text model (`tokenizer.json`
+`Codec` is what they know of a model's task. `TextCodec` serves a text model (`tokenizer.json`
 plus a chat template: text in, text out); a task with its own format brings its own codec
 (`dgemma.tasks.task_codec`, e.g. the sudoku model's), which the server uses the same way.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from dgemma.serving import chat_output
+from dgemma.chat import chat_output
 
 
 class PromptError(ValueError):

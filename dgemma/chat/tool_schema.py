@@ -30,8 +30,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from dgemma.serving.chat_output import THOUGHT_END, THOUGHT_LABEL, THOUGHT_START
-from dgemma.serving.tool_calls import CALL_END, CALL_START, QUOTE, format_value
+from dgemma.chat.chat_output import THOUGHT_END, THOUGHT_LABEL, THOUGHT_START
+from dgemma.chat.tool_calls import CALL_END, CALL_START, QUOTE, format_value
 from dgemma.structured import SchemaError, TokenAutomaton, TokenVocabulary, regex_constraint
 from dgemma.structured.vocabulary import MAX_SPECIAL, SPECIAL_BASE
 
