@@ -1,0 +1,114 @@
+"""The package's import graph, read from the source with `ast`: the house rules of README's Layout.
+
+Every import counts, those inside functions too (they hide a circle, they do not remove it), except the
+ones under `if TYPE_CHECKING:`, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dgemma
+
+ROOT = Path(dgemma.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The dgemma modules `tree` imports at run time: `from a.b import c` is a.b.c when c is a module."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package upwards
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in ROOT.rglob("*.py")}
+    return {name: _imported(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name}
+            for name, path in paths.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(node: str):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return components
+
+
+def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_ones():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dgemma.b import X\n"
+              "def f():\n    from dgemma import c\n    from .d import Y\n")
+    modules = {"dgemma.a", "dgemma.b", "dgemma.c", "dgemma.d", "dgemma"}
+    assert _imported(ast.parse(source), "dgemma.a", False, modules) == {"dgemma.c", "dgemma.d"}
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_the_server_and_its_command_import_dgemma_serving():
+    outside = {name: sorted(m for m in imports if m == "dgemma.serving" or m.startswith("dgemma.serving."))
+               for name, imports in import_graph().items()
+               if not (name.startswith("dgemma.serving") or name == "dgemma.commands.serve")}
+    assert {name: found for name, found in outside.items() if found} == {}
+
+
+def test_no_import_circles():
+    assert _circles(import_graph()) == []
+
+
+def test_nothing_imports_the_cli_but_the_entry_point():
+    """cli.py sits on top (it dispatches to commands/): an import of it from below runs back up."""
+    assert sorted(name for name, imports in import_graph().items() if "dgemma.cli" in imports) == ["dgemma.__main__"]
