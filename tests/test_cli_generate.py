@@ -148,8 +148,8 @@ def test_only_generating_commands_change_the_allocator(monkeypatch, tmp_path):
 def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_model_dir):
     import rich.console
 
-    from dgemma.commands.chat import AnswerPrinter
     from dgemma.chat.codec import TextCodec
+    from dgemma.commands.chat import AnswerPrinter
     from dgemma.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(gemma_tokenizer_model_dir)

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 
-from dgemma.serving import openapi as documented  # noqa: E402
+from dgemma.serving import errors, responses  # noqa: E402
 from tests.test_server import API_KEY, MODEL, ServerProcess  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DGEMMA_FUZZ_EXAMPLES", "40"))
@@ -75,7 +75,7 @@ def _prepare(body):
 def _error_shape(payload) -> str | None:
     """Why `payload` is not {"error": {"message": str, "type": str, "param", "code"}}, or None."""
     try:
-        documented.ErrorResponse.model_validate(payload)
+        errors.ErrorResponse.model_validate(payload)
     except Exception as e:  # pydantic's message says which part
         return f"not OpenAI's error shape: {payload!r}: {e}"
     return None
@@ -105,8 +105,8 @@ def _content_type(response) -> str:
     return value[0] if isinstance(value, list) else value  # schemathesis keeps each header as a list
 
 
-STREAM_CHUNKS = {"/v1/chat/completions": documented.ChatCompletionChunk,
-                 "/v1/completions": documented.CompletionChunk}
+STREAM_CHUNKS = {"/v1/chat/completions": responses.ChatCompletionChunk,
+                 "/v1/completions": responses.CompletionChunk}
 
 
 # (method, path, share of the cases): generation routes get most

@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from test_server import MODEL, ServerProcess
 
 import dgemma
+from dgemma.chat.codec import TextCodec
 from dgemma.engine import Engine
 from dgemma.images import ImageProcessor, open_image, prompt_with_images
-from dgemma.chat.codec import TextCodec
 from dgemma.tokenizer import Tokenizer
 from tests.conftest import png_bytes, png_claiming, torch_threads
-from test_server import MODEL, ServerProcess
 
 PNG = png_bytes(37, 53)
 QUESTION = "what is it?"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dgemma
+from dgemma.chat.codec import TextAssembler
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Event
-from dgemma.chat.codec import TextAssembler
 from dgemma.serving.worker import EngineWorker, RequestStream
 from dgemma.tasks import read_task
 from dgemma.tasks.sudoku_codec import SudokuCodec
@@ -193,3 +193,25 @@ def test_an_internal_error_is_a_500_that_keeps_the_connection():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_bodies_carry_the_fields_given_and_none_left_out():
+    """The response models build the bodies: a null that was given stays, an optional field not given is
+    absent (no `usage` on a content chunk, no `dgemma_draft` off a draft), and a task's verdict stays in
+    `dgemma` before `choices`."""
+    from dgemma.serving.responses import ChunkWriter, usage
+
+    chat = ChunkWriter(chat=True, model="m")
+    assert chat.text("hi", index=1)["choices"] == [{"index": 1, "delta": {"content": "hi"}, "finish_reason": None}]
+    assert set(chat.text("hi")) == {"id", "object", "created", "model", "choices"}
+    draft = {"canvas": 0, "step": 1, "tokens": [5], "pieces": ["a"], "entropy": [0.5], "accepted": [True]}
+    assert chat.draft(draft)["choices"][0] == {"index": 0, "delta": {}, "finish_reason": None, "dgemma_draft": draft}
+    assert chat.usage_chunk(usage(2, 3))["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    completion = ChunkWriter(chat=False, model="m")
+    assert completion.text("x")["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]
+    stats = {"seed": 1, "elapsed_s": 0.5, "sudoku": {"solved": True}}
+    body = chat.response([({"role": "assistant", "content": None, "tool_calls": []}, "tool_calls")], usage(1, 1),
+                         {**stats, "choices": [stats]})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None, "tool_calls": []}
+    assert list(body["dgemma"]) == ["seed", "elapsed_s", "sudoku", "choices"]
+    assert list(body) == ["id", "object", "created", "model", "choices", "usage", "dgemma"]

@@ -58,9 +58,9 @@ class AnswerPrinter:
 def run(args):
     import rich.console
 
+    from dgemma.chat.codec import TextCodec
     from dgemma.commands.generate import DraftView, image_placeholder, open_images, user_content, with_images
     from dgemma.engine import Engine, Request
-    from dgemma.chat.codec import TextCodec
     from dgemma.tokenizer import Tokenizer
 
     model = load_from_args(args)

@@ -45,8 +45,8 @@ def add_arguments(p):
 def run(args):
     import uvicorn
 
-    from dgemma.serving.app import create_app
     from dgemma.chat.codec import TextCodec
+    from dgemma.serving.app import create_app
     from dgemma.serving.state import ServerState
     from dgemma.serving.worker import EngineWorker
     from dgemma.tasks import read_task, task_codec

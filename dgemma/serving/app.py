@@ -4,7 +4,8 @@ Routes
   GET  /                      the playground (static files in ./static, no network needed)
   GET  /health                {"status": "ok", "active", "waiting", ...}; no API key needed
   GET  /openapi.json          the API's schema: request bodies are the models that validate them (protocol.py,
-                              chat_protocol.py), responses are described in openapi.py; the API key applies
+                              chat_protocol.py), responses the models that build them (responses.py, errors.py);
+                              the API key applies
   GET  /docs                  Swagger UI over /openapi.json (served from here, no CDN)
   GET  /v1/models             the one served model, with a `dgemma` field (task, canvas, defaults)
   POST /v1/completions        prompt(s) -> text; stream: true for server-sent events; with `logprobs`
@@ -28,9 +29,10 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
-from dgemma.serving import openapi
-from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.chat.codec import PromptError
+from dgemma.serving import openapi
+from dgemma.serving import responses as bodies
+from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.handlers import echo_only, generate, score, tool_constraint
 from dgemma.serving.http_plumbing import JSONBodyRoute, add_error_handlers
@@ -47,13 +49,21 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.worker.stop()
 
-    # /openapi.json and /docs are routes of their own below: they follow the API key, and /docs is served
+    # /openapi.json and /docs are routes of their own (_add_pages): they follow the API key, and /docs is served
     # without a CDN
     app = FastAPI(title="dgemma", summary="OpenAI-compatible serving of DiffusionGemma, a block-diffusion model",
                   version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dgemma = state
     add_error_handlers(app)
     key = Depends(_api_key_check(state))
+    _add_pages(app, state, key)
+    app.include_router(_v1_routes(state, key))
+    app.include_router(_tokenizer_routes(state, key))
+    return app
+
+
+def _add_pages(app: FastAPI, state: ServerState, key):
+    """The playground, /health, and the API's schema with Swagger UI over it."""
 
     @app.get("/", include_in_schema=False)
     async def playground():
@@ -62,13 +72,13 @@ def create_app(state: ServerState) -> FastAPI:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.mount("/swagger-ui", StaticFiles(directory=openapi.swagger_ui_folder()), name="swagger-ui")
 
-    @app.get("/health", response_model=None, responses={200: {"model": openapi.Health},
-                                                        503: {"model": openapi.Health, "description": "stopped"}})
+    @app.get("/health", response_model=None, responses={200: {"model": bodies.Health},
+                                                        503: {"model": bodies.Health, "description": "stopped"}})
     async def health():
         """Whether the engine runs, and its load. No API key needed."""
         ok = state.worker.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable", "model": state.model_name,
-                             **state.worker.load()}, status_code=200 if ok else 503)
+        body = bodies.Health(status="ok" if ok else "unavailable", model=state.model_name, **state.worker.load())
+        return JSONResponse(body.wire(), status_code=200 if ok else 503)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[key])
     async def openapi_schema():
@@ -78,24 +88,27 @@ def create_app(state: ServerState) -> FastAPI:
     async def docs():
         return HTMLResponse(openapi.DOCS_PAGE, headers={"Cache-Control": "no-cache"})
 
+
+def _v1_routes(state: ServerState, key) -> APIRouter:
+    """OpenAI's routes: the model list, completions and chat completions."""
     v1 = APIRouter(prefix="/v1", dependencies=[key], route_class=JSONBodyRoute)
 
-    @v1.get("/models", response_model=None, responses={200: {"model": openapi.ModelList},
+    @v1.get("/models", response_model=None, responses={200: {"model": bodies.ModelList},
                                                        **openapi.error_responses(401)})
     async def models():
         """The one served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults."""
-        return {"object": "list", "data": [_model_card(state)]}
+        return bodies.ModelList(object="list", data=[_model_card(state)]).wire()
 
     # any_text: http_plumbing.AnyText, so that every id (line breaks included) reaches the check
     @v1.get("/models/{model_id:any_text}", response_model=None,
-            responses={200: {"model": openapi.ModelCard}, **openapi.error_responses(400, 401)})
+            responses={200: {"model": bodies.ModelCard}, **openapi.error_responses(400, 401)})
     async def model(model_id: str):
         """The served model's card; another id is a 400 (model_not_found)."""
         _check_model(state, model_id)
-        return _model_card(state)
+        return _model_card(state).wire()
 
     @v1.post("/completions", response_model=None,
-             responses=openapi.generation_responses(openapi.Completion, openapi.CompletionChunk))
+             responses=openapi.generation_responses(bodies.Completion, bodies.CompletionChunk))
     async def completions(body: CompletionRequest, request: Request):
         """Prompts continued by the diffusion sampler, or scored (`logprobs` with max_tokens 0 or 1)."""
         _check_model(state, body.model)
@@ -111,7 +124,7 @@ def create_app(state: ServerState) -> FastAPI:
                               echoes=echoes if body.echo else None)
 
     @v1.post("/chat/completions", response_model=None,
-             responses=openapi.generation_responses(openapi.ChatCompletion, openapi.ChatCompletionChunk))
+             responses=openapi.generation_responses(bodies.ChatCompletion, bodies.ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Messages through the model's chat template (images, tools, thinking), answered by the sampler."""
         _check_model(state, body.model)
@@ -124,38 +137,42 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(state, request, body, [prompt], body.token_limit, chat=True,
                               parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
 
-    # the tokenizer, as vLLM serves it: lm-eval's local-completions finds these and counts with them
+    return v1
+
+
+def _tokenizer_routes(state: ServerState, key) -> APIRouter:
+    """The tokenizer, as vLLM serves it: lm-eval's local-completions finds these and counts with them."""
     tokenizer = APIRouter(dependencies=[key], route_class=JSONBodyRoute)
 
     @tokenizer.get("/tokenizer_info", response_model=None,
-                   responses={200: {"model": openapi.TokenizerInfo}, **openapi.error_responses(401)})
+                   responses={200: {"model": bodies.TokenizerInfo}, **openapi.error_responses(401)})
     async def tokenizer_info():
         """The tokenizer's special tokens and chat template (text models; 404 otherwise)."""
         tok = _text_tokenizer(state)
-        return {"tokenizer_class": "dgemma", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-                "pad_token": tok.backend.id_to_token(state.sampling.pad_token_id), "chat_template": tok.chat_template,
-                "model_max_length": state.worker.max_length}
+        return bodies.TokenizerInfo(
+            tokenizer_class="dgemma", bos_token=tok.bos_token, eos_token=tok.eos_token,
+            pad_token=tok.backend.id_to_token(state.sampling.pad_token_id), chat_template=tok.chat_template,
+            model_max_length=state.worker.max_length).wire()
 
     @tokenizer.post("/tokenize", response_model=None,
-                    responses={200: {"model": openapi.Tokens}, **openapi.error_responses(400, 401, 413)})
+                    responses={200: {"model": bodies.Tokens}, **openapi.error_responses(400, 401, 413)})
     async def tokenize(body: TokenizeRequest):
         """Text to token ids, as vLLM's route."""
         _check_model(state, body.model)
         tokens = _text_tokenizer(state).encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": state.worker.max_length, "tokens": tokens, "token_strs": None}
+        return bodies.Tokens(count=len(tokens), max_model_len=state.worker.max_length, tokens=tokens,
+                             token_strs=None).wire()
 
     @tokenizer.post("/detokenize", response_model=None,
-                    responses={200: {"model": openapi.Detokenized}, **openapi.error_responses(400, 401, 413)})
+                    responses={200: {"model": bodies.Detokenized}, **openapi.error_responses(400, 401, 413)})
     async def detokenize(body: DetokenizeRequest):
         """Token ids to text, special tokens written out."""
         _check_model(state, body.model)
         tok = _text_tokenizer(state)
         ids = _encode(state.codec.check_ids, body.tokens) if body.tokens else []
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        return bodies.Detokenized(prompt=tok.decode(ids, skip_special_tokens=False)).wire()
 
-    app.include_router(v1)
-    app.include_router(tokenizer)
-    return app
+    return tokenizer
 
 
 def _version() -> str:
@@ -169,7 +186,7 @@ def _version() -> str:
 
 def _openapi(app: FastAPI) -> dict:
     """The schema, built once: request bodies from protocol.py's and chat_protocol.py's models, responses from
-    openapi.py's."""
+    responses.py's and errors.py's."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
                              description="dgemma's extensions ride in the OpenAI bodies: the diffusion sampler's "
@@ -231,12 +248,14 @@ async def _images(state: ServerState, body: ChatCompletionRequest):
     return await state.images.read(urls)
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(state: ServerState) -> bodies.ModelCard:
     s = state.sampling
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dgemma",
-            "dgemma": {"task": state.codec.task, "canvas_length": state.canvas_length,
-                       "images": state.images.card() if state.images is not None else {"accepted": False},
-                       "vocab_size": state.codec.vocab_size, "max_length": state.worker.max_length,
-                       "max_batch": state.worker.max_batch, "max_queue": state.worker.max_queue,
-                       "defaults": {"steps": s.max_denoising_steps, "entropy_bound": s.entropy_bound,
-                                    "t_min": s.t_min, "t_max": s.t_max, "max_tokens": s.max_new_tokens}}}
+    images = state.images.card() if state.images is not None else {"accepted": False}
+    defaults = bodies.Defaults(steps=s.max_denoising_steps, entropy_bound=s.entropy_bound, t_min=s.t_min,
+                               t_max=s.t_max, max_tokens=s.max_new_tokens)
+    extra = bodies.ModelCardExtra(task=state.codec.task, canvas_length=state.canvas_length,
+                                  images=bodies.ImagesCard(**images), vocab_size=state.codec.vocab_size,
+                                  max_length=state.worker.max_length, max_batch=state.worker.max_batch,
+                                  max_queue=state.worker.max_queue, defaults=defaults)
+    return bodies.ModelCard(id=state.model_name, object="model", created=state.created, owned_by="dgemma",
+                            dgemma=extra)

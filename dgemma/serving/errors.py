@@ -5,8 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, rate_limit_error or server_error")
+    param: str | None = Field(description="the request field at fault, when one is")
+    code: str | None = Field(description="e.g. model_not_found, context_length_exceeded, unsupported_schema, "
+                             "invalid_api_key, request_too_large, queue_full, invalid_image")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape; every 4xx and 5xx of this server has it."""
+
+    error: ErrorDetail
 
 
 class APIError(StarletteHTTPException):
@@ -27,7 +41,7 @@ class APIError(StarletteHTTPException):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -4,7 +4,7 @@ completions too.
 
 A request becomes one engine request per prompt and choice (`n`, see worker.py); its committed canvases
 become text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
-`ChatOutput` (chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (responses.py).
+`ChatOutput` (dgemma/chat/chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (responses.py).
 A constraint (response_format, structured_outputs.regex, a required or named tool_choice) is a token
 automaton that rides along with the engine request.
 """
@@ -22,20 +22,19 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from dgemma.config import ConfigError, SamplingConfig
 from dgemma.chat.chat_output import ChatOutput
-from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.chat.codec import TextAssembler
+from dgemma.chat.tool_schema import calls_constraint
+from dgemma.config import ConfigError, SamplingConfig
+from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.http_plumbing import sse
 from dgemma.serving.protocol import CompletionRequest
 from dgemma.serving.responses import ChunkWriter, usage
 from dgemma.serving.scores import scored_choice
 from dgemma.serving.state import ServerState
-from dgemma.chat.tool_schema import calls_constraint
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
-
 
 # -- what a request asks of the sampler ---------------------------------------------------------------
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dgemma.config import SamplingConfig
 from dgemma.chat.codec import Codec
+from dgemma.config import SamplingConfig
 from dgemma.serving.image_urls import ImageReader
 from dgemma.serving.worker import EngineWorker
 
