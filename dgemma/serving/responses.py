@@ -18,6 +18,8 @@ from dgemma.chat.tool_calls import openai_tool_call
 
 
 class Body(BaseModel):
+    """A response body or a part of one."""
+
     def wire(self) -> dict:
         """The body as sent: the fields that were set (to None too), without the optional ones left out."""
         return self.model_dump(exclude_unset=True)
