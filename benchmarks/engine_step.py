@@ -25,7 +25,8 @@ def child(args):
     import torch
 
     import dgemma
-    from dgemma.engine import Engine, positions_needed
+    from dgemma.engine import Engine
+    from dgemma.generation.canvas import positions_needed
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -18,8 +18,9 @@ import time
 import torch
 
 import dgemma
-from dgemma.engine import Engine, positions_needed
+from dgemma.engine import Engine
 from dgemma.engine.allocator import keep_freed_memory
+from dgemma.generation.canvas import positions_needed
 from dgemma.model.random_weights import random_model
 
 PROMPT, CANVAS_TOKENS, STEPS = 64, 256, 16

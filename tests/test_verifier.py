@@ -9,7 +9,7 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
-from dgemma.generation import generate
+from dgemma.generation import generate, generate_verified
 from dgemma.generation.verify import candidate_seed, next_template
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [20] * 9]
@@ -46,7 +46,7 @@ class Recorder:
 
 def test_rejected_positions_are_denoised_again_and_the_rest_kept(model, sampling):
     check = Recorder(reject_multiples_of_3)
-    result = generate(model, [PROMPTS[1]], sampling, seed=11, verifier=check, max_rounds=4)
+    result = generate_verified(model, [PROMPTS[1]], sampling, check, seed=11, max_rounds=4)
     assert len(check.calls) == result.search[0]["rounds"] >= 2
     changed = 0
     for (before, rejected), (after, _) in zip(check.calls, check.calls[1:]):
@@ -61,7 +61,7 @@ def test_rejected_positions_are_denoised_again_and_the_rest_kept(model, sampling
 
 def test_accepted_first_round_is_the_plain_output(model, sampling):
     plain = generate(model, PROMPTS, sampling, seed=3)
-    checked = generate(model, PROMPTS, sampling, seed=3, verifier=lambda tokens: [], max_rounds=5)
+    checked = generate_verified(model, PROMPTS, sampling, lambda tokens: [], seed=3, max_rounds=5)
     assert checked.tokens == plain.tokens
     assert checked.steps_per_canvas == plain.steps_per_canvas
     assert [s["rounds"] for s in checked.search] == [1, 1, 1]
@@ -69,7 +69,7 @@ def test_accepted_first_round_is_the_plain_output(model, sampling):
 
 
 def test_engine_search_equals_plain_loop(model, sampling):
-    plain = [generate(model, [p], sampling, seed=10 + i, verifier=reject_multiples_of_3, max_rounds=4)
+    plain = [generate_verified(model, [p], sampling, reject_multiples_of_3, seed=10 + i, max_rounds=4)
              for i, p in enumerate(PROMPTS)]
     engine = Engine(model, max_batch=2, max_length=128)
     requests = engine.generate(PROMPTS, sampling, seeds=[10, 11, 12], verifier=reject_multiples_of_3, max_rounds=4)
@@ -91,11 +91,11 @@ def test_candidates_winner_is_a_single_run_with_its_seed(model, sampling):
     winners = [r.stats()["search"] for r in requests]
     assert any(w["candidate"] > 0 for w in winners)
     for i, (r, w) in enumerate(zip(requests, winners)):
-        alone = generate(model, [PROMPTS[i]], sampling, seed=candidate_seed(10 + i, w["candidate"]), verifier=check,
-                         max_rounds=2)
+        alone = generate_verified(model, [PROMPTS[i]], sampling, check, seed=candidate_seed(10 + i, w["candidate"]),
+                                  max_rounds=2)
         assert r.tokens == alone.tokens[0]
         assert w["rounds"] == alone.search[0]["rounds"] and w["accepted"] == alone.search[0]["accepted"]
-        plain = generate(model, [PROMPTS[i]], sampling, seed=10 + i, verifier=check, max_rounds=2, candidates=4)
+        plain = generate_verified(model, [PROMPTS[i]], sampling, check, seed=10 + i, max_rounds=2, candidates=4)
         assert plain.search[0]["candidate"] == w["candidate"] and plain.tokens[0] == r.tokens
         assert w["candidates"] == 4 and w["forwards"] >= w["winner_forwards"]
 
@@ -109,7 +109,7 @@ def test_template_of_the_next_round_keeps_the_callers_positions():
 
 
 def test_bad_search_arguments(model, sampling):
-    with pytest.raises(ValueError, match="need a verifier"):
-        generate(model, [PROMPTS[0]], sampling, max_rounds=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        generate_verified(model, [PROMPTS[0]], sampling, lambda t: [], max_rounds=0)
     with pytest.raises(ValueError, match=">= 1"):
         Engine(model, max_batch=1).generate([PROMPTS[0]], sampling, verifier=lambda t: [], candidates=0)

@@ -71,9 +71,8 @@ def _resolve(args):
 def run(args):
     import torch
 
-    import dgemma
     from dgemma.commands import bench_timing as timing
-    from dgemma.engine import positions_needed
+    from dgemma.generation.canvas import positions_needed
 
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
@@ -83,16 +82,7 @@ def run(args):
         raise UsageError("--batch, --steps, --prompt-len and --repeats must be >= 1")
     device, dtype = _resolve(args)
     torch.manual_seed(args.seed)
-    if args.model:
-        model = dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
-        name = args.model
-    else:
-        from dgemma.model.random_weights import random_model
-
-        # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
-        model = random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
-                             seed=args.seed)
-        name = f"preset {args.config} (random weights)"
+    model, name = _model(args, device, dtype)
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
@@ -101,17 +91,7 @@ def run(args):
     adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
-    hf = None
-    if not args.no_transformers and model.quantization and not args.quantize:
-        raise UsageError(f"{args.model} is stored in {model.quantization}, which transformers cannot load: add "
-                         f"--no-transformers, or bench the unquantised folder with --quantize")
-    if not args.no_transformers:
-        if args.quantize:
-            print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
-                  "same shape)"), file=sys.stderr)
-        hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
-        with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
-            hf = timing.load_transformers(f"{folder}/model", hf_dtype, device)
+    hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
 
@@ -154,13 +134,8 @@ def run(args):
             print(f"  batch {batch} {group} done", file=sys.stderr)
     compiled_ran = compiling and model.decoder_compiled
     if compiling and not compiled_ran:  # compiling was unavailable or failed (warned): those runs were eager
-        eager_timed = any(r.group == "eager" for r in rows)
-        rows = [r for r in rows if r.group == "eager"] if eager_timed else \
-            [dataclasses.replace(r, group="eager", system="engine-fixed" if r.system == "engine-compiled" else r.system)
-             for r in rows]
-        budgets = {b: {k.removeprefix("compiled_"): v for k, v in budget.items()
-                       if not (eager_timed and k.startswith("compiled_"))} for b, budget in budgets.items()}
-    del hf
+        rows, budgets = _as_eager(rows, budgets)
+    hf = None  # free transformers' copy of the weights before the token check and start-up runs
 
     tokens_check = _check_tokens(model, prompts_by_batch, fixed, need) if args.check_tokens else None
     startup = None
@@ -181,6 +156,49 @@ def run(args):
         result["plot"] = args.plot
     print(json.dumps(result))
     return 0
+
+
+def _model(args, device, dtype):
+    """The model to bench and its name: a folder, or a preset with random weights."""
+    import dgemma
+
+    if args.model:
+        return dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize), args.model
+    from dgemma.model.random_weights import random_model
+
+    # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
+    model = random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
+                         seed=args.seed)
+    return model, f"preset {args.config} (random weights)"
+
+
+def _transformers_model(args, model, dtype, device):
+    """transformers' DiffusionGemma with the same weights (dense ones for a quantised model)."""
+    import torch
+
+    from dgemma.commands import bench_timing as timing
+
+    if model.quantization and not args.quantize:
+        raise UsageError(f"{args.model} is stored in {model.quantization}, which transformers cannot load: add "
+                         f"--no-transformers, or bench the unquantised folder with --quantize")
+    if args.quantize:
+        print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
+              "same shape)"), file=sys.stderr)
+    hf_dtype = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[args.transformers_dtype]
+    with timing.save_for_transformers(_dense_copy(model, args, dtype, device)) as folder:
+        return timing.load_transformers(f"{folder}/model", hf_dtype, device)
+
+
+def _as_eager(rows: list, budgets: dict) -> tuple[list, dict]:
+    """When compiling did not happen, the "compiled" runs were eager: keep the eager group if one was timed,
+    else relabel the compiled group as eager."""
+    eager_timed = any(r.group == "eager" for r in rows)
+    rows = [r for r in rows if r.group == "eager"] if eager_timed else \
+        [dataclasses.replace(r, group="eager", system="engine-fixed" if r.system == "engine-compiled" else r.system)
+         for r in rows]
+    budgets = {b: {k.removeprefix("compiled_"): v for k, v in budget.items()
+                   if not (eager_timed and k.startswith("compiled_"))} for b, budget in budgets.items()}
+    return rows, budgets
 
 
 def _check_tokens(model, prompts_by_batch: dict, sampling, need: int) -> dict:

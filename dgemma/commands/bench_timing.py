@@ -9,7 +9,6 @@ autoregressive decoding of the same weights with a KV cache. Every run generates
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.engine.allocator import release_freed_memory
+from dgemma.generation.canvas import canvases_for, positions_needed
 
 
 def reset_peak_rss():
@@ -152,7 +152,7 @@ WARMUP_STEPS = 4
 
 class EngineTimed(Timed):
     def __init__(self, model, prompts, sampling: SamplingConfig, system: str):
-        from dgemma.engine import Engine, positions_needed
+        from dgemma.engine import Engine
 
         super().__init__(len(prompts), model.device)
         self.system, self.prompts, self.sampling = system, prompts, sampling
@@ -217,7 +217,7 @@ class TransformersTimed(Timed):
 
     def measurement(self, group: str = "eager") -> Measurement:
         best, s = self.fastest(), self.sampling
-        steps = s.max_denoising_steps * math.ceil(s.max_new_tokens / self.hf.config.canvas_length)
+        steps = s.max_denoising_steps * canvases_for(s.max_new_tokens, self.hf.config.canvas_length)
         return Measurement("transformers", self.batch, self.batch * s.max_new_tokens / best["seconds"],
                            1000 * best["seconds"] / steps if s.fixed_steps else None, None, self.tpf,
                            max(run["peak_rss"] for run in self.runs), best["gpu_peak"], group=group)
@@ -276,7 +276,8 @@ import json, sys, time
 start = time.perf_counter()
 import torch
 import dgemma
-from dgemma.engine import Engine, positions_needed
+from dgemma.engine import Engine
+from dgemma.generation.canvas import positions_needed
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 torch.manual_seed(a["seed"])

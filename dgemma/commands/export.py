@@ -9,14 +9,14 @@ One process, streamed shard by shard from the checkpoint's DCP files (no full co
 from __future__ import annotations
 
 from dgemma.commands._common import positive_int
-from dgemma.commands.train import _size
+from dgemma.commands.train import size_type
 
 
 def add_arguments(p):
     p.add_argument("run", help="a training run folder (holds checkpoints/step-*)")
     p.add_argument("--out", required=True, help="the Hugging Face folder to write (replaced atomically)")
     p.add_argument("--step", type=positive_int, help="the checkpoint's step (default: the newest)")
-    p.add_argument("--shard-size", type=_size, default=2 * 1024**3, metavar="SIZE",
+    p.add_argument("--shard-size", type=size_type, default=2 * 1024**3, metavar="SIZE",
                    help="largest safetensors file, e.g. 5GB (default 2GiB)")
 
 

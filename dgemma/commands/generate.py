@@ -128,7 +128,9 @@ def with_images(model, folder, prompt: list[int], images: list):
 
 
 def run(args):
-    from dgemma.engine import Engine, Request, positions_needed
+    from dgemma.engine import Engine, Request
+    from dgemma.generation.canvas import positions_needed
+    from dgemma.sampling import seed_or_random
     from dgemma.tokenizer import Tokenizer
 
     text = read_prompt(args.prompt)
@@ -172,7 +174,7 @@ def run(args):
                 view.live.update("")
             stream.add(event.tokens)
 
-    seed = sampling.seed if sampling.seed is not None else int(time.time_ns() % (2**31))
+    seed = seed_or_random(sampling.seed)
     request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event,
                       constraint=constraint, images=image_inputs)
     try:

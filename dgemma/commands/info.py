@@ -112,7 +112,7 @@ def _gb(n: float) -> str:
 
 
 def training_plan(config: ModelConfig, args) -> dict:
-    from dgemma.training.lora import DEFAULT_TARGETS
+    from dgemma.training.config import DEFAULT_TARGETS
     from dgemma.training.memory import memory_plan
 
     if args.world_size < 1 or args.seq < 1:

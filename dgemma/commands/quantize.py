@@ -11,7 +11,7 @@ billion weights, against ~2.4 s to read a saved int4 folder; benchmarks/README.m
 from __future__ import annotations
 
 from dgemma.commands._common import add_revision_argument
-from dgemma.commands.train import _size
+from dgemma.commands.train import size_type
 
 
 def add_arguments(p):
@@ -22,7 +22,7 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the tensors kept dense (embedding / LM head, norms, routers) and of the compute "
                         "when loaded (default bf16)")
-    p.add_argument("--shard-size", type=_size, default=2 * 1024**3, metavar="SIZE",
+    p.add_argument("--shard-size", type=size_type, default=2 * 1024**3, metavar="SIZE",
                    help="largest safetensors file, e.g. 5GB (default 2GiB)")
 
 

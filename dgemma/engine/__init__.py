@@ -1,8 +1,8 @@
 """Batched generation: request state, the scheduler (queue, cache rows, cancellation), the runner (model
 and cache), one loop for all requests."""
 
-from dgemma.engine.engine import Engine, positions_needed
+from dgemma.engine.engine import Engine
 from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.scheduler import QueueFull
 
-__all__ = ["Engine", "QueueFull", "Event", "Request", "Status", "positions_needed"]
+__all__ = ["Engine", "QueueFull", "Event", "Request", "Status"]

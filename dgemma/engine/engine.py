@@ -29,7 +29,6 @@ again with the accepted positions kept (dgemma.generation.verify says how), and 
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -41,15 +40,15 @@ from dgemma.engine.scheduler import Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
 from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
-from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, template_slice
+from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
-from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, temperature_schedule
+from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, seed_or_random, temperature_schedule
 from dgemma.sampling.sampler import draw_samples, scan_logits, scan_step
 
 
-def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
-    """Cache positions a request takes: its prompt, then whole canvases until max_new_tokens fit."""
-    return prompt_len + math.ceil(max_new_tokens / canvas_length) * canvas_length
+def _prompt_seed(seeds: list[int] | None, sampling: SamplingConfig, i: int) -> int:
+    """Prompt i's seed in a batch call: seeds[i], else sampling.seed + i, else random."""
+    return seed_or_random(None if seeds is None else seeds[i], None if sampling.seed is None else sampling.seed + i)
 
 
 class Engine:
@@ -185,12 +184,7 @@ class Engine:
             raise ValueError("max_rounds and candidates need a verifier")
         requests = []
         for i, prompt in enumerate(prompts):
-            if seeds is not None:
-                seed = seeds[i]
-            elif sampling.seed is not None:
-                seed = sampling.seed + i
-            else:
-                seed = int(torch.randint(0, 2**62, ()).item())
+            seed = _prompt_seed(seeds, sampling, i)
             fixed, tokens = (templates[i] if templates is not None else (None, None))
             constraint = constraints[i] if constraints is not None else None
             requests.append(Request(prompt=list(prompt), sampling=sampling, seed=seed, fixed=fixed,
@@ -210,8 +204,7 @@ class Engine:
         checks = verifiers_for(verifier, len(prompts))
         searches = []
         for i, prompt in enumerate(prompts):
-            seed = seeds[i] if seeds is not None else (sampling.seed + i if sampling.seed is not None
-                                                       else int(torch.randint(0, 2**62, ()).item()))
+            seed = _prompt_seed(seeds, sampling, i)
             fixed, tokens = (templates[i] if templates is not None else (None, None))
             searches.append(Search.start(prompt, sampling, seed=seed, verifier=checks[i], max_rounds=max_rounds,
                                          candidates=candidates, fixed=fixed, fixed_tokens=tokens, on_event=on_event))

@@ -3,12 +3,31 @@
   * prompts of different lengths are left-padded, the padding masked out;
   * a committed canvas holds pad after each row's first EOS (the EOS itself stays);
   * the output is the committed tokens before the first EOS, cut at max_new_tokens;
+  * max_new_tokens is made in whole canvases: ceil(max_new_tokens / L) of them, each taking L cache positions;
   * a canvas template (tokens forced into the output) is sliced canvas by canvas.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def canvases_for(max_new_tokens: int, canvas_length: int) -> int:
+    """Canvases that cover max_new_tokens (the last one may be cut)."""
+    return math.ceil(max_new_tokens / canvas_length)
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
+    """Cache positions a request takes: its prompt, then whole canvases until max_new_tokens fit."""
+    return prompt_len + canvases_for(max_new_tokens, canvas_length) * canvas_length
+
+
+def most_new_tokens(prompt_len: int, max_length: int, canvas_length: int) -> int:
+    """The largest max_new_tokens whose whole canvases fit after the prompt in max_length positions (the
+    inverse of positions_needed; 0 when not even one canvas fits)."""
+    return max(max_length - prompt_len, 0) // canvas_length * canvas_length
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,6 @@ hold the batch back, and the output is cut at `max_new_tokens` instead of at a c
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,11 +32,19 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read, to_device
-from dgemma.generation.canvas import columns_left, cut_at_eos, left_pad, pad_after_eos, template_slice
+from dgemma.generation.canvas import (
+    canvases_for,
+    columns_left,
+    cut_at_eos,
+    left_pad,
+    pad_after_eos,
+    template_slice,
+)
 from dgemma.sampling import (
     adaptive_stop,
     new_argmax_history,
     random_tokens,
+    seed_or_random,
     temperature_schedule,
 )
 from dgemma.sampling.sampler import draw_samples, scan_step
@@ -77,7 +84,8 @@ class GenerationResult:
     elapsed_s: float
     tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
     seed: int  # the seed the sampler's generator used
-    # with a verifier, per row: {"accepted", "rounds", "candidate", "forwards" (all candidates'), "rejected"}
+    # with a verifier (dgemma.generation.verify), per row: {"accepted", "rounds", "candidate",
+    # "forwards" (all candidates'), "winner_forwards", "rejected"}
     search: list[dict] | None = None
 
 
@@ -94,27 +102,23 @@ def generate(
     constraint=None,
     guide_steps: bool = True,
     images=None,
-    verifier=None,
-    max_rounds: int = 1,
-    candidates: int = 1,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids, any lengths).
 
     `model` follows docs/model-api.md (config.canvas_length, config.vocab_size, new_cache, encode, denoise).
     Randomness: one torch.Generator on the model's device seeded with `seed`, else `sampling.seed`, else a
-    seed drawn from torch's global RNG (so torch.manual_seed makes the call reproducible); same seed,
-    device and batch -> same tokens. `sampling.fixed_steps` runs exactly max_denoising_steps per canvas.
+    seed drawn from torch's global RNG (dgemma.sampling.seed_or_random: torch.manual_seed makes the call
+    reproducible); same seed, device and batch -> same tokens. `sampling.fixed_steps` runs exactly
+    max_denoising_steps per canvas.
     `constraint`: a dgemma.structured.TokenAutomaton for every row, or a list with one (or None) per
     row; a constrained row's answer is in the automaton's language (or cut: finish reason "length").
     guide_steps=False constrains only the committed canvases, not the accepted samples of each step
     (for measuring what the per-step guidance does; the engine always guides).
     `images`: a dgemma.images.ImageInputs holding the images of all prompts, row by row; their soft tokens
     take the places of the prompts' image tokens (`expand_image_tokens`).
-    `verifier`, `max_rounds`, `candidates`: search with a checker in the loop (dgemma.generation.verify:
-    rejected positions are re-noised, the rest kept, up to max_rounds rounds; best of `candidates` seeds);
-    the result's `search` says, per row, the rounds, forwards, winning candidate and whether it was accepted.
-    `generator`: continue this torch.Generator instead of seeding one (the verifier's later rounds).
+    `generator`: continue this torch.Generator instead of seeding one (the verifier search's later rounds,
+    dgemma.generation.verify.generate_verified, which runs this loop with a checker in it).
 
     tokens_per_forward, as the reference defines it, per row: the non-pad tokens among all the canvases
     it committed (the EOS counts, tokens after it do not; canvases are counted whole, before the cut at
@@ -129,57 +133,33 @@ def generate(
       * the reference returns whole canvases (ceil(max_new_tokens / L) of them); here the output is cut
         to max_new_tokens, and a row without an EOS inside that cut finishes with reason "length".
     """
-    if verifier is not None:
-        from dgemma.generation.verify import generate_verified
-
-        return generate_verified(model, prompts, sampling, verifier=verifier, max_rounds=max_rounds,
-                                 candidates=candidates, seed=seed, canvas_template=canvas_template,
-                                 on_canvas=on_canvas, on_draft=on_draft, constraint=constraint, images=images)
-    if max_rounds != 1 or candidates != 1:
-        raise ValueError("max_rounds and candidates need a verifier")
     start_time = time.perf_counter()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    device = _device_of(model)
-    batch_size = len(prompts)
-    canvas_length = model.config.canvas_length
+    device = device_of(model)
+    batch_size, canvas_length, pad_id = len(prompts), model.config.canvas_length, sampling.pad_token_id
     max_new_tokens = sampling.max_new_tokens
-    max_canvases = math.ceil(max_new_tokens / canvas_length)
-    pad_id = sampling.pad_token_id
+    max_canvases = canvases_for(max_new_tokens, canvas_length)
     eos_ids = to_device(list(sampling.eos_token_ids), torch.long, device)
     template = _check_template(canvas_template, batch_size, model.config.vocab_size, device)
     answers = _constrained_answers(constraint, batch_size, sampling, template, guide_steps)
-
-    if seed is None:
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    seed = seed_or_random(seed, sampling.seed)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(seed)
-
-    # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
-    input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each
-    cache = model.new_cache(batch_size, input_ids.shape[1] + max_canvases * canvas_length)
-    pixels = {} if images is None else dict(pixel_values=images.pixel_values,
-                                            image_position_ids=images.image_position_ids)
-    # prompts of one length need no mask (the cache then knows on the host that its rows hold no padding)
-    same_length = all(len(p) == len(prompts[0]) for p in prompts)
-    model.encode(input_ids, cache, attention_mask=None if same_length else attention_mask, return_logits=False,
-                 **pixels)
+    cache = _encode_prompts(model, prompts, pad_id, max_canvases * canvas_length, images, device)
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)  # produced an EOS
-    finished_rows = [False] * batch_size  # the same on the host
+    rows = _Rows.empty(batch_size)  # the same on the host, and each row's tokens and steps
     committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS
     forward_passes = torch.zeros(batch_size, dtype=torch.long, device=device)
-    steps_per_canvas: list[list[int]] = [[] for _ in range(batch_size)]
-    tokens: list[list[int]] = [[] for _ in range(batch_size)]
-    stopped = [False] * batch_size  # an EOS within max_new_tokens
     time_to_first_canvas = 0.0
     for canvas_index in range(max_canvases):
+        budget = columns_left(max_new_tokens, canvas_index, canvas_length)  # the tokens a row may still write
         fixed, fixed_tokens = (None, None) if template is None else template_slice(
             template.fixed, template.tokens, canvas_index, canvas_length)
         argmax, steps = denoise_canvas(
-            model, cache, sampling, generator, frozen=finished, frozen_rows=finished_rows, fixed=fixed,
-            fixed_tokens=fixed_tokens, on_draft=on_draft, answers=answers,
-            budget=columns_left(max_new_tokens, canvas_index, canvas_length),
+            model, cache, sampling, generator, frozen=finished, frozen_rows=rows.finished, fixed=fixed,
+            fixed_tokens=fixed_tokens, on_draft=on_draft, answers=answers, budget=budget,
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
@@ -191,46 +171,84 @@ def generate(
 
         # Host-side bookkeeping from one read per canvas: per row its tokens within the budget, its steps
         # and whether it has an EOS (this also waits for the device, so the timing below is honest).
-        budget = columns_left(max_new_tokens, canvas_index, canvas_length)
         read = host_read(torch.cat([canvas_tokens[:, :budget], steps[:, None], has_eos[:, None].long()], 1), "canvas")
-        new_tokens = []
-        for row, (*row_tokens, row_steps, row_eos) in enumerate(read):
-            if finished_rows[row]:
-                new_tokens.append([])
-                continue
-            finished_rows[row] = bool(row_eos)
-            steps_per_canvas[row].append(row_steps)
-            new, stopped[row] = cut_at_eos(row_tokens, sampling.eos_token_ids)
-            new_tokens.append(new)
-            tokens[row].extend(new)
+        new_tokens = rows.commit(read, sampling.eos_token_ids)
         if canvas_index == 0:
             time_to_first_canvas = time.perf_counter() - start_time
         last = canvas_index == max_canvases - 1
         if on_canvas is not None:
-            on_canvas(canvas_index, new_tokens, [f or last for f in finished_rows])
-        if last or all(finished_rows):
+            on_canvas(canvas_index, new_tokens, [f or last for f in rows.finished])
+        if last or all(rows.finished):
             break
         model.encode(canvas_tokens, cache, return_logits=False)  # extend the cache by the committed canvas
+    return rows.result(committed, forward_passes, sampling, seed, start_time, time_to_first_canvas)
 
-    all_committed = torch.cat(committed, dim=1)  # (B, num_canvases * L)
-    sequences = all_committed[:, :max_new_tokens].cpu()
-    finish_reasons = ["stop" if s else "length" for s in stopped]
-    non_pad, passes = host_read(torch.stack([(all_committed != pad_id).sum(-1), forward_passes]), "result")
-    tokens_per_forward = [n / f for n, f in zip(non_pad, passes)]
-    elapsed = time.perf_counter() - start_time
-    generated = sum(len(t) + (reason == "stop") for t, reason in zip(tokens, finish_reasons))
-    return GenerationResult(
-        sequences=sequences,
-        tokens=tokens,
-        finish_reasons=finish_reasons,
-        num_canvases=len(committed),
-        steps_per_canvas=steps_per_canvas,
-        tokens_per_forward=tokens_per_forward,
-        time_to_first_canvas_s=time_to_first_canvas,
-        elapsed_s=elapsed,
-        tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
-        seed=seed,
-    )
+
+def _encode_prompts(model, prompts: list[list[int]], pad_id: int, output_positions: int, images, device):
+    """A cache for the prompts and `output_positions` more columns, with the prompts encoded into it."""
+    # Prompt: left-padded to the longest; padding is masked out but still occupies its column/position.
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)  # (B, P) each
+    cache = model.new_cache(len(prompts), input_ids.shape[1] + output_positions)
+    pixels = {} if images is None else dict(pixel_values=images.pixel_values,
+                                            image_position_ids=images.image_position_ids)
+    # prompts of one length need no mask (the cache then knows on the host that its rows hold no padding)
+    same_length = all(len(p) == len(prompts[0]) for p in prompts)
+    model.encode(input_ids, cache, attention_mask=None if same_length else attention_mask, return_logits=False,
+                 **pixels)
+    return cache
+
+
+@dataclass
+class _Rows:
+    """The host's view of the batch, row by row, kept from one device read per canvas."""
+
+    finished: list[bool]  # produced an EOS
+    stopped: list[bool]  # an EOS within max_new_tokens
+    tokens: list[list[int]]  # generated before the first EOS, within max_new_tokens
+    steps_per_canvas: list[list[int]]
+
+    @classmethod
+    def empty(cls, batch_size: int) -> _Rows:
+        return cls([False] * batch_size, [False] * batch_size, [[] for _ in range(batch_size)],
+                   [[] for _ in range(batch_size)])
+
+    def commit(self, read: list[list[int]], eos_ids) -> list[list[int]]:
+        """Take in one canvas: read[b] = row b's tokens within the budget, then its steps and has-EOS flag.
+        Returns each row's new tokens ([] for a row finished earlier)."""
+        new_tokens = []
+        for row, (*row_tokens, row_steps, row_eos) in enumerate(read):
+            if self.finished[row]:
+                new_tokens.append([])
+                continue
+            self.finished[row] = bool(row_eos)
+            self.steps_per_canvas[row].append(row_steps)
+            new, self.stopped[row] = cut_at_eos(row_tokens, eos_ids)
+            new_tokens.append(new)
+            self.tokens[row].extend(new)
+        return new_tokens
+
+    def result(self, committed: list[torch.Tensor], forward_passes: torch.Tensor, sampling: SamplingConfig,
+               seed: int, start_time: float, time_to_first_canvas: float) -> GenerationResult:
+        """committed: the (B, L) canvases as committed; forward_passes (B,) long: each row's denoiser passes."""
+        all_committed = torch.cat(committed, dim=1)  # (B, num_canvases * L)
+        sequences = all_committed[:, : sampling.max_new_tokens].cpu()
+        finish_reasons = ["stop" if s else "length" for s in self.stopped]
+        non_pad, passes = host_read(torch.stack([(all_committed != sampling.pad_token_id).sum(-1), forward_passes]),
+                                    "result")
+        elapsed = time.perf_counter() - start_time
+        generated = sum(len(t) + (reason == "stop") for t, reason in zip(self.tokens, finish_reasons))
+        return GenerationResult(
+            sequences=sequences,
+            tokens=self.tokens,
+            finish_reasons=finish_reasons,
+            num_canvases=len(committed),
+            steps_per_canvas=self.steps_per_canvas,
+            tokens_per_forward=[n / f for n, f in zip(non_pad, passes)],
+            time_to_first_canvas_s=time_to_first_canvas,
+            elapsed_s=elapsed,
+            tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
+            seed=seed,
+        )
 
 
 def denoise_canvas(
@@ -320,7 +338,8 @@ def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, 
                                                       guide_steps=guide_steps) for a in automata]
 
 
-def _device_of(model) -> torch.device:
+def device_of(model) -> torch.device:
+    """The device of a model's weights (its `device` attribute when it has one)."""
     device = getattr(model, "device", None)
     return torch.device(device) if device is not None else next(model.parameters()).device
 

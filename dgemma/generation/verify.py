@@ -1,4 +1,7 @@
-"""A checker in the denoising loop: generate, verify, re-noise what the checker rejects, keep the rest.
+"""The verifier search: a checker in the denoising loop. Generate, verify, re-noise what the checker
+rejects, keep the rest. Its rules are written here once (candidate seeds, the next round's template, which
+candidate wins) for the plain loop's search below (`generate_verified`, on top of diffusion.generate) and
+the engine's (dgemma.engine.search).
 
 A verifier is any function `tokens -> rejected positions`: it receives a row's generated tokens (before
 the first EOS, within max_new_tokens) and returns the positions (0-based, into those tokens) it rejects;
@@ -21,12 +24,16 @@ every candidate to its end, one after the other, so its reported total forwards 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+
+from dgemma.config import SamplingConfig
+from dgemma.generation.canvas import canvases_for
+from dgemma.generation.diffusion import CanvasTemplate, GenerationResult, device_of, generate
+from dgemma.sampling import seed_or_random
 
 Verifier = Callable[[list[int]], Iterable[int]]
 
@@ -100,19 +107,19 @@ class _Outcome:  # one row of one candidate, over its rounds
         return sum(self.steps_per_canvas)
 
 
-def generate_verified(model, prompts, sampling, *, verifier, max_rounds: int, candidates: int, seed,
-                      canvas_template, on_canvas, on_draft, constraint, images):
-    """`dgemma.generation.generate` with a verifier (its docstring and this module's say what it does)."""
-    from dgemma.generation.diffusion import GenerationResult, _device_of
-
+@torch.no_grad()
+def generate_verified(model, prompts: list[list[int]], sampling: SamplingConfig, verifier, *, max_rounds: int = 1,
+                      candidates: int = 1, seed: int | None = None,
+                      canvas_template: CanvasTemplate | None = None) -> GenerationResult:
+    """`dgemma.generation.generate` with `verifier` in the loop (one for every row, or a list with one per
+    row): rejected positions are re-noised, the rest kept, up to `max_rounds` rounds; best of `candidates`
+    seeds (this module's docstring says how). The seed rule and the result are generate's; the result's
+    `search` says, per row, the rounds, forwards, winning candidate and whether it was accepted."""
     check_search(max_rounds, candidates)
-    if constraint is not None or images is not None or on_canvas is not None or on_draft is not None:
-        raise ValueError("the plain loop's verifier search takes no constraint, images or callbacks")
     start = time.perf_counter()
     checks = verifiers_for(verifier, len(prompts))
-    if seed is None:
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    device = _device_of(model)
+    seed = seed_or_random(seed, sampling.seed)
+    device = device_of(model)
     runs, first_canvas_s = [], None
     for j in range(candidates):
         outcomes, ttfc = _search(model, prompts, sampling, checks, max_rounds, candidate_seed(seed, j),
@@ -140,7 +147,7 @@ def generate_verified(model, prompts, sampling, *, verifier, max_rounds: int, ca
         sequences=sequences,
         tokens=[o.tokens for o in winners],
         finish_reasons=[o.finish_reason for o in winners],
-        num_canvases=math.ceil(width / model.config.canvas_length),
+        num_canvases=canvases_for(width, model.config.canvas_length),
         steps_per_canvas=[o.steps_per_canvas for o in winners],
         tokens_per_forward=[o.non_pad / o.forwards if o.forwards else 0.0 for o in winners],
         time_to_first_canvas_s=first_canvas_s or 0.0,
@@ -154,8 +161,6 @@ def generate_verified(model, prompts, sampling, *, verifier, max_rounds: int, ca
 def _search(model, prompts, sampling, checks, max_rounds: int, seed: int, canvas_template, device):
     """One candidate for every row: rounds until each row is accepted or max_rounds; rows still searching
     share one generator (seeded once), as a batch of the plain loop does."""
-    from dgemma.generation.diffusion import CanvasTemplate, generate
-
     generator = torch.Generator(device=device).manual_seed(seed)
     base = [(None, None) if canvas_template is None else (canvas_template.fixed[row], canvas_template.tokens[row])
             for row in range(len(prompts))]

@@ -37,7 +37,6 @@ CPU_MODE = "max-autotune-no-cudagraphs"
 # change), while its cold compile on 2 cores had not finished after 20 minutes.
 CPU_EAGER_ABOVE_PARAMS = 1_000_000_000
 CUDA_MODE = "default"
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def default_mode(device) -> str:

@@ -570,5 +570,3 @@ class DiffusionGemma(nn.Module):
         key_rope = {False: rope_tables(full_keys, self.inv_freq(False), self.dtype), True: None}
         return self._rope(positions), key_rope, masks
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())

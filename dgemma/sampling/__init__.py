@@ -11,6 +11,7 @@ from dgemma.sampling.sampler import (
     temperature_schedule,
     token_entropy,
 )
+from dgemma.sampling.seeds import seed_or_random
 from dgemma.sampling.stopping import adaptive_stop, mean_entropy, new_argmax_history
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "random_tokens",
     "sample_from_probs",
     "sampler_step",
+    "seed_or_random",
     "temperature_schedule",
     "token_entropy",
 ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -26,6 +25,8 @@ from dgemma.chat.chat_output import ChatOutput
 from dgemma.chat.codec import TextAssembler
 from dgemma.chat.tool_schema import calls_constraint
 from dgemma.config import ConfigError, SamplingConfig
+from dgemma.generation.canvas import most_new_tokens
+from dgemma.sampling import seed_or_random
 from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.http_plumbing import sse
@@ -46,7 +47,7 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
         if max_tokens not in (None, fixed):
             raise bad_request(f"max_tokens: a {state.codec.task} answer is exactly {fixed} tokens", param="max_tokens")
         max_tokens = fixed
-    whole_canvases = (context - n) // L * L  # the engine reserves whole canvases
+    whole_canvases = most_new_tokens(n, context, L)  # the engine reserves whole canvases
     if whole_canvases < 1:
         raise bad_request(f"the prompt is {n} tokens; the context holds {context}, and a canvas of {L} tokens "
                           f"must fit after the prompt", param="prompt", code="context_length_exceeded")
@@ -160,7 +161,7 @@ def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[
     if n * len(prompts) > state.worker.max_queue:
         raise bad_request(f"at most {state.worker.max_queue} prompts times n choices fit this server's queue",
                           param="n" if len(prompts) == 1 else "prompt")
-    base = body.seed if body.seed is not None else secrets.randbits(63)
+    base = seed_or_random(body.seed)
     streams: list[RequestStream] = []
     with _engine_errors(state):
         try:

@@ -5,6 +5,15 @@ loss), the autoregressive baseline, LoRA, resumable checkpoints and FSDP2 multi-
     result = train(TrainConfig(data="train.jsonl", out="runs/a", init="preset:tiny", steps=300))
 """
 
-from dgemma.training.loop import TrainConfig, TrainResult, learning_rate, train
+from dgemma.training.config import TrainConfig
 
 __all__ = ["TrainConfig", "TrainResult", "learning_rate", "train"]
+
+
+def __getattr__(name):
+    # Lazy so that the command line can read TrainConfig's fields without importing torch.
+    if name in ("TrainResult", "learning_rate", "train"):
+        from dgemma.training import loop
+
+        return getattr(loop, name)
+    raise AttributeError(name)

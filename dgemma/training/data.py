@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dgemma.config import ConfigError
+from dgemma.training.config import AUGMENTATIONS
 
 
 class DataError(ConfigError):
@@ -237,13 +238,6 @@ class ExampleStream:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.size, generator=gen).tolist()
         return self._perm[n % self.size]
-
-
-# Named per-example augmentations: "module:function", function(prompt, response, rng) -> (prompt, response),
-# raising ValueError for an example it cannot transform. Drawn afresh for every example at every step.
-AUGMENTATIONS = {
-    "sudoku": "dgemma.tasks.sudoku:random_symmetry_ids",  # one of the 1.2e12 validity-preserving symmetries
-}
 
 
 def read_examples(dataset: TokenizedDataset, stream: ExampleStream, positions: list[int], *,

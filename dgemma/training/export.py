@@ -17,6 +17,7 @@ import torch
 
 from dgemma.config import ConfigError
 from dgemma.model.checkpoint import LazyWeights, save_pretrained
+from dgemma.training.config import TrainConfig
 from dgemma.training.lora import merge_lora_state
 from dgemma.training.state import latest_checkpoint, list_checkpoints, read_model_tensors, read_trainer_state
 
@@ -36,12 +37,11 @@ def find_checkpoint(run: Path, step: int | None) -> Path:
 
 def export_checkpoint(checkpoint: Path, out: Path, *, max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `out` (atomic: a temporary folder renamed into place) from a checkpoint folder."""
-    from dgemma.training.loop import TrainConfig
     from dgemma.training.model_setup import base_dtype, resolve_model_config
     from dgemma.training.weights import meta_model, random_init_tensors
 
     saved = read_trainer_state(checkpoint)["config"]
-    config = TrainConfig(**{k: tuple(v) if k in ("betas", "lora_targets") else v for k, v in saved.items()})
+    config = TrainConfig.from_json(saved)
     model_config = resolve_model_config(config.model, config.init, config.model_overrides)
     eos_id = config.eos_id if config.eos_id is not None else model_config.eos_token_id
     plain, plan = meta_model(config.model, model_config, eos_id, base_dtype(config))

@@ -13,23 +13,21 @@ Global batch G = processes x micro-batch x accumulation. Step s reads stream pos
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import json
 import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dgemma.config import ConfigError
 from dgemma.training import distributed as D
-from dgemma.training.data import AUGMENTATIONS, ExampleStream, TextEncoder, collate, load_jsonl, read_examples
+from dgemma.training.config import TrainConfig
+from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
 from dgemma.training.export import export_checkpoint
-from dgemma.training.lora import DEFAULT_TARGETS
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
 from dgemma.training.model_setup import base_dtype, configure_trainable, resolve_model_config
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
@@ -43,87 +41,6 @@ from dgemma.training.state import (
     save_checkpoint,
 )
 from dgemma.training.weights import materialise, meta_model
-
-
-@dataclass
-class TrainConfig:
-    data: str  # JSONL file
-    out: str  # run folder: checkpoints/, model/, metrics.jsonl, loss.png
-    model: str | None = None  # a Hugging Face folder to fine-tune ...
-    init: str | None = None  # ... or "preset:NAME" / a config JSON to train from scratch
-    model_overrides: dict = field(default_factory=dict)  # ModelConfig fields for --init (vocab_size=16, ...)
-    tokenizer: str | None = None  # folder with tokenizer.json (default: the --model folder)
-    chat_template: bool = True  # render prompt/response records with the chat template when there is one
-    objective: str = "diffusion"  # "diffusion" (DiffusionGemma) or "ar" (the autoregressive baseline)
-    steps: int = 1000  # length of the learning-rate schedule
-    until: int | None = None  # stop (with a checkpoint) after this step, keeping the schedule of `steps`
-    batch_size: int = 8  # global: examples per optimizer step, over all processes
-    micro_batch_size: int | None = None  # per process and forward pass (default: all of its share)
-    lr: float = 1.5e-4
-    min_lr: float | None = None  # end of the cosine (default lr / 10)
-    warmup_steps: int = 100
-    weight_decay: float = 1e-4  # matrices only; norms and scales are not decayed
-    betas: tuple[float, float] = (0.95, 0.99)
-    grad_clip: float = 1.0  # max global gradient norm (0: off)
-    precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights and optimizer)
-    mixed_precision: str | None = None  # "bf16": FSDP2 MixedPrecisionPolicy (bf16 gathers, fp32 reduce)
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward
-    memory_per_rank: int | None = None  # bytes: refuse (before loading weights) a plan above this
-    seed: int = 0
-    noise_eps: float = 1e-3  # t ~ U(noise_eps, 1)
-    self_cond_prob: float = 0.5
-    encoder_loss_weight: float = 1.0
-    train_router: bool = False
-    lora: bool = False
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
-    lora_dropout: float = 0.0
-    max_length: int | None = None  # longest [prompt ; response ; fill] (default: the model's context)
-    eos_id: int | None = None  # canvas fill token (default: the model's eos_token_id)
-    augment: str | None = None  # a per-example random transform drawn at every step (see AUGMENTATIONS)
-    skip_bad_lines: bool = False
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    resume: bool = False
-    device: str = "auto"
-    progress: bool = True
-
-    # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
-    RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
-                         "micro_batch_size", "device", "skip_bad_lines", "until", "activation_checkpointing",
-                         "memory_per_rank")
-
-    def as_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
-
-    def check(self, world_size: int):
-        problems = [
-            (self.objective in ("diffusion", "ar"), f"objective must be 'diffusion' or 'ar', not {self.objective!r}"),
-            (self.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', not {self.precision!r}"),
-            (self.mixed_precision in (None, "bf16"), f"mixed precision must be 'bf16', not {self.mixed_precision!r}"),
-            (self.mixed_precision is None or world_size > 1,
-             "--mixed-precision is FSDP2's policy and needs torchrun with 2+ processes; one process: --precision bf16"),
-            (self.steps >= 1, "--steps must be >= 1"),
-            (self.until is None or 1 <= self.until <= self.steps, "--until must be between 1 and --steps"),
-            (self.augment is None or self.augment in AUGMENTATIONS,
-             f"--augment must be one of {', '.join(AUGMENTATIONS)}, not {self.augment!r}"),
-            (self.lr > 0 and (self.min_lr is None or 0 <= self.min_lr <= self.lr), "need lr > 0 and 0 <= min-lr <= lr"),
-            (self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup and grad-clip must be >= 0"),
-            (0 < self.noise_eps < 1, "noise-eps must be in (0, 1)"),
-            (0 <= self.self_cond_prob <= 1, "self-cond-prob must be in [0, 1]"),
-            (self.save_every >= 1 and self.log_every >= 1, "save-every and log-every must be >= 1"),
-        ]
-        for ok, message in problems:
-            if not ok:
-                raise ConfigError(message)
-        if self.batch_size < world_size or self.batch_size % world_size:
-            raise ConfigError(f"--batch-size {self.batch_size} is not a multiple of the {world_size} processes")
-        share = self.batch_size // world_size
-        if self.micro_batch_size is not None and (self.micro_batch_size < 1 or share % self.micro_batch_size):
-            raise ConfigError(f"--micro-batch-size {self.micro_batch_size} does not divide the per-process "
-                              f"batch of {share} (--batch-size {self.batch_size} over {world_size} processes)")
 
 
 @dataclass

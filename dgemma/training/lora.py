@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from dgemma.config import ConfigError
 from dgemma.model.experts import Experts
-
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+from dgemma.training.config import DEFAULT_TARGETS
 
 
 def lora_init_(A: torch.Tensor, generator: torch.Generator | None = None):
@@ -147,8 +146,3 @@ def merge_lora_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, 
         else:
             out[name] = tensor
     return out
-
-
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors of a state dict (what a LoRA run must store to resume)."""
-    return {n: t for n, t in state.items() if ".lora_" in n}
