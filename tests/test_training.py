@@ -280,6 +280,36 @@ def test_cli_reports_bad_settings_in_one_line_with_exit_code_2(tmp_path, capsys,
     assert err.count("\n") == 1 and err.startswith("dgemma train: error: ") and message in err
 
 
+def test_cli_flags_are_built_from_train_config(capsys, monkeypatch):
+    """Every TrainConfig setting is a flag with the field's default and help; the flags fill its fields."""
+    import dataclasses
+
+    from dgemma.cli import build_parser
+    from dgemma.commands.train import config_from_args
+
+    parser = build_parser()
+    base = ["train", "--init", "preset:tiny", "--data", "d.jsonl", "--out", "o"]
+    assert config_from_args(parser.parse_args(base)) == TrainConfig(data="d.jsonl", out="o", init="preset:tiny")
+    changed = config_from_args(parser.parse_args(base + [
+        "--no-progress", "--no-chat-template", "--lora", "--lora-targets", "q_proj, experts", "--betas", "0.9", "0.9",
+        "--memory-per-rank", "2GiB", "--set", "hidden_size=32", "--vocab-size", "16", "--augment", "sudoku"]))
+    assert (changed.progress, changed.chat_template, changed.lora) == (False, False, True)
+    assert changed.lora_targets == ("q_proj", "experts") and changed.betas == (0.9, 0.9)
+    assert changed.memory_per_rank == 2 * 1024**3 and changed.augment == "sudoku"
+    assert changed.model_overrides == {"hidden_size": 32, "vocab_size": 16}
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag: no words broken at a hyphen
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        if "group" in f.metadata:
+            assert f.metadata.get("flag", "--" + f.name.replace("_", "-")) in shown
+            assert " ".join(f.metadata["help"].split()) in shown
+    assert "(default 1000)" in shown and "(default 0.95 0.99)" in shown and "(default q_proj,k_proj," in shown
+
+
 def test_cli_refuses_to_overwrite_a_run_and_to_resume_with_other_settings(tmp_path, capsys):
     assert _cli(tmp_path) == 0
     assert _cli(tmp_path) == 2

@@ -72,12 +72,14 @@ def _help(f: dataclasses.Field) -> str:
     default = f.default
     if default is dataclasses.MISSING or default is None or isinstance(default, bool):
         return f.metadata["help"]
-    shown = ",".join(default) if f.name == "lora_targets" else (
-        " ".join(map(str, default)) if isinstance(default, tuple) else default)
+    if isinstance(default, tuple):  # lora_targets as typed (comma-separated), betas as two numbers
+        shown = ",".join(default) if all(isinstance(v, str) for v in default) else " ".join(map(str, default))
+    else:
+        shown = default
     return f"{f.metadata['help']} (default {shown})"
 
 
-size_type = _reported(byte_size)  # "80GB" -> bytes, for --memory-per-rank and `dgemma export --shard-size`
+size_type = _reported(byte_size)  # "80GB" -> bytes: the --shard-size of `dgemma export` and `dgemma quantize`
 
 
 def config_from_args(args) -> TrainConfig:

@@ -28,10 +28,11 @@ AUGMENTATIONS = {
 GROUPS = ("model", "data", "optimisation", "LoRA", "run")  # the sections of `dgemma train --help`
 
 
-def option(help: str, group: str, default=dataclasses.MISSING, **cli):
+def option(text: str, group: str, default=dataclasses.MISSING, **cli):
     """A field with its help text and --help group; `cli` adds argparse keywords (choices, type, metavar,
-    required) and, for a field spelled otherwise on the command line, `flag` (e.g. "--no-progress")."""
-    return field(default=default, metadata={"help": help, "group": group, **cli})
+    required), `flag` for a field spelled otherwise on the command line (e.g. "--no-progress") and `one_of`
+    for fields of which exactly one is given."""
+    return field(default=default, metadata={"help": text, "group": group, **cli})
 
 
 def comma_list(text: str) -> tuple[str, ...]:
