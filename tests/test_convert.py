@@ -17,7 +17,7 @@ import torch
 
 import dgemma
 from dgemma.cli import main as dgemma_main
-from dgemma.convert import convert_gemma4
+from dgemma.model.convert import convert_gemma4
 from dgemma.model import CheckpointError
 from tests.conftest import perturb_every_tensor
 
@@ -439,7 +439,7 @@ def test_dry_run_writes_nothing(good_source, tmp_path, capsys):
 
 # -- writing: streamed, atomic ---------------------------------------------------------------------
 def test_streams_one_source_tensor_at_a_time(good_source, tmp_path, monkeypatch):
-    import dgemma.convert as conv
+    import dgemma.model.convert as conv
 
     live, peak, calls = set(), [0], [0]
     real = conv._load_source_tensor
@@ -459,7 +459,7 @@ def test_streams_one_source_tensor_at_a_time(good_source, tmp_path, monkeypatch)
 
 
 def test_failure_midway_leaves_nothing(good_source, tmp_path, monkeypatch):
-    import dgemma.convert as conv
+    import dgemma.model.convert as conv
 
     real, calls = conv._load_source_tensor, [0]
 

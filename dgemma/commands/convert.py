@@ -34,7 +34,7 @@ def add_arguments(p):
 
 
 def run(args):
-    from dgemma.convert import (
+    from dgemma.model.convert import (
         OUT_DTYPES, check_output, convert_gemma4, describe, parse_drop, parse_size, plan_conversion,
     )
 
