@@ -222,7 +222,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("dgemma.model.checkpoint.save_file", boom)
+    monkeypatch.setattr("dgemma.model.shards.write_safetensors", boom)
     with pytest.raises(OSError):
         dgemma.save_pretrained(model, tmp_path / "m")
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before

@@ -27,19 +27,24 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import (FORMATS, GROUP_SIZE, is_kernel_layout, load_dense_into, quantised_tensors, swap_modules,
-                                use_cpu_int4_kernel)
+from dgemma.model.quant import (
+    FORMATS,
+    GROUP_SIZE,
+    is_kernel_layout,
+    load_dense_into,
+    quantised_tensors,
+    swap_modules,
+    use_cpu_int4_kernel,
+)
+from dgemma.model.shards import INDEX_FILE, SINGLE_FILE, TensorSpec, pack_shards, write_shards
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
 MULTIMODAL = "model.encoder."  # vision_tower.*, embed_vision.*
 VISION_PREFIXES = ("vision_tower.", "embed_vision.")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 QUANT_METHOD = "dgemma"  # config.json's quantization_config.quant_method of a folder saved quantised
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "processor_config.json", "preprocessor_config.json")
@@ -152,8 +157,10 @@ def read_headers(path: Path) -> dict[str, StoredTensor]:
     else:
         single = path / SINGLE_FILE
         if not single.is_file():
-            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-                raise CheckpointError(f"{path}: only pickle weights found; dgemma loads safetensors only")
+            if any(path.glob("*.safetensors")):
+                raise CheckpointError(f"{path}: several .safetensors files but no {INDEX_FILE} to say which holds what")
+            if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+                raise CheckpointError(f"{path}: only pickle weights found; dgemma loads safetensors only (never pickle)")
             raise CheckpointError(f"{single}: missing (and no {INDEX_FILE})")
         by_file, files = None, [SINGLE_FILE]
 
@@ -402,26 +409,10 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
 
 
 def _write_weights(weights: LazyWeights, folder: Path, max_shard_bytes: int | None):
-    metadata = {"format": "pt"}
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in weights.sizes.items():
-        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
+    """Each shard's tensors are read (`weights.read`) when that shard is written, then streamed to its file."""
 
-    def tensors(names: list[str]) -> dict[str, torch.Tensor]:
-        return {checkpoint_key(n): t.detach().contiguous().cpu() for n, t in weights.read(names).items()}
+    def open_shard(names: list[str]):
+        tensors = {checkpoint_key(n): t for n, t in weights.read(names).items()}
+        return [TensorSpec.of(key, t) for key, t in tensors.items()], lambda spec: tensors.pop(spec.key)
 
-    if len(shards) == 1:
-        save_file(tensors(shards[0]), str(folder / SINGLE_FILE), metadata=metadata)
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors(names), str(folder / fname), metadata=metadata)
-        weight_map.update({checkpoint_key(n): fname for n in names})
-    index = {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_shards(folder, pack_shards(weights.sizes.items(), max_shard_bytes), open_shard)

@@ -13,10 +13,11 @@ mostly a renaming:
          gate/up are random so that down_proj receives a gradient from the first step.
 
 Everything is decided before anything is written: the config is checked field by field (each Gemma 4
-setting that changes the math is either mapped or refused), every stored tensor is accounted for (mapped,
+setting that changes the math is either mapped or refused: `dgemma.model.gemma4_config`), every stored tensor is accounted for (mapped,
 dropped on request, or refused as unknown), and shapes are compared with what the config implies, all
-from the safetensors headers. Only then are tensors streamed one at a time from the memory-mapped source
-into safetensors files written in a temporary folder, which is renamed into place at the end; a failure
+from the safetensors headers (`dgemma.model.checkpoint.read_headers`). Only then are tensors streamed
+one at a time from the memory-mapped source into safetensors files (`dgemma.model.shards`, the writer
+`save_pretrained` uses) written in a temporary folder, which is renamed into place at the end; a failure
 or Ctrl-C removes the temporary folder and leaves nothing behind. Peak memory is one tensor (two while
 casting), never a second copy of the model.
 """
@@ -24,7 +25,6 @@ casting), never a second copy of the model.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -35,15 +35,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig, SamplingConfig
-from dgemma.model.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointError,
-    checkpoint_key,
-    move_into_place,
-    read_json,
+from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig
+from dgemma.model.checkpoint import CheckpointError, checkpoint_key, move_into_place, read_headers
+from dgemma.model.gemma4_config import (
+    check_text_config,
+    generation_config,
+    output_config,
+    read_source_config,
 )
+from dgemma.model.network import DiffusionGemma
+from dgemma.model.shards import DTYPES, TensorSpec, human_bytes, pack_shards, parse_size, write_shards
 
 # Parts of Gemma 4 that DiffusionGemma has no place for; `--drop` names them to convert without them.
 DROPPABLE = {
@@ -66,53 +67,6 @@ TOKENIZER_FILES = (
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
-# `Gemma4TextConfig` defaults for the fields that change the math: a config.json written by transformers
-# lists every field, but a hand-written one may not, and then Gemma 4's defaults (not DiffusionGemma's)
-# are what the source model actually ran with.
-GEMMA4_TEXT_DEFAULTS = {
-    "vocab_size": 262_144,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "initializer_range": 0.02,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "sliding_window": 512,
-    "final_logit_softcapping": None,
-    "use_bidirectional_attention": None,
-    "hidden_size_per_layer_input": 256,
-    "attention_k_eq_v": False,
-    "num_kv_shared_layers": 0,
-    "enable_moe_block": False,
-    "use_double_wide_mlp": False,
-    "num_experts": None,
-    "top_k_experts": None,
-    "moe_intermediate_size": None,
-    "global_head_dim": 512,
-    "num_global_key_value_heads": None,
-}
-DEFAULT_ROPE = {
-    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-}
-# Settings from other Gemma generations that Gemma 4 does not have. transformers' Gemma 4 would silently
-# ignore them, but a config that declares one was made for a model that uses it: converting would change
-# its outputs without a word, so they are refused.
-FOREIGN_SETTINGS = {
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "query_pre_attn_scalar": "a query pre-attention scalar (Gemma 4 and DiffusionGemma use scaling 1.0)",
-    "rope_scaling": "legacy rope_scaling",
-}
-
 # Tensors (names relative to the text model) that belong to per-layer embeddings.
 PLE_TENSOR = re.compile(
     r"(?:embed_tokens_per_layer\.weight|per_layer_model_projection\.weight|per_layer_projection_norm\.weight"
@@ -121,9 +75,8 @@ PLE_TENSOR = re.compile(
 # The attention tensors a KV-shared ("consumer") layer lacks in Gemma 4, relative to `layers.N.`.
 KV_TENSORS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
 
-# safetensors dtype codes of the floating formats we read and write.
-ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-ST_CODES = {v: k for k, v in ST_DTYPES.items()}
+# The floating formats a source may store (safetensors' codes) and an output may be written in.
+SOURCE_DTYPES = ("F32", "BF16", "F16")
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -135,22 +88,13 @@ class SourceTensor:
     dtype: torch.dtype
 
 
-@dataclass
-class PlannedTensor:
-    """One tensor of the DiffusionGemma checkpoint: copied from a source tensor or made fresh."""
+@dataclass(frozen=True)
+class PlannedTensor(TensorSpec):
+    """One tensor of the DiffusionGemma checkpoint (`key`: its stored name): copied from a source tensor
+    or made fresh."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
     source: SourceTensor | None = None
     make: Callable[[], torch.Tensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
 
 
 @dataclass
@@ -181,239 +125,19 @@ def parse_drop(value: str | Iterable[str] | None) -> frozenset[str]:
     return frozenset(names)
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '20KB' -> 2e4, '1GiB' -> 2**30, '123' -> 123 bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
-    if not m:
-        raise ValueError(f"cannot read size {text!r} (examples: 5GB, 500MB, 2GiB)")
-    number, unit = float(m.group(1)), m.group(2)
-    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-    base = 1024 if "I" in unit else 1000
-    size = int(number * base ** powers[unit.rstrip("IB")])
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return size
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading the source
 # ---------------------------------------------------------------------------------------------
-def _read_source_config(src: Path) -> tuple[dict, dict]:
-    """-> (top-level config, text config) of a Gemma 4 folder."""
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: no such model folder")
-    config_file = src / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: missing (not a Hugging Face model folder)")
-    top = read_json(config_file)
-    model_type = top.get("model_type")
-    if model_type == "gemma4":
-        text = top.get("text_config")
-        if not isinstance(text, dict):
-            raise CheckpointError(f"{config_file}: model_type 'gemma4' but no text_config")
-    elif model_type == "gemma4_text":
-        text = top
-    elif model_type in ("diffusion_gemma", "diffusion_gemma_text"):
-        raise CheckpointError(f"{config_file}: this is already a DiffusionGemma checkpoint; nothing to convert")
-    else:
-        raise CheckpointError(
-            f"{config_file}: model_type is {model_type!r}; `dgemma convert gemma4` reads Gemma 4 checkpoints "
-            "(model_type 'gemma4' or 'gemma4_text')"
-        )
-    return top, text
-
-
 def _source_tensors(src: Path) -> dict[str, SourceTensor]:
-    """Every stored tensor with its file, shape and dtype, read from the safetensors headers only."""
-    index = src / INDEX_FILE
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: malformed index (no weight_map)")
-        files = sorted({src / f for f in weight_map.values()})
-    elif (src / SINGLE_FILE).is_file():
-        weight_map, files = None, [src / SINGLE_FILE]
-    elif list(src.glob("*.safetensors")):
-        raise CheckpointError(f"{src}: several .safetensors files but no {INDEX_FILE} to say which holds what")
-    elif any(src.glob("*.bin")) or any(src.glob("*.pt")) or any(src.glob("*.pth")):
-        raise CheckpointError(f"{src}: only pickle weights found; dgemma reads safetensors only (never pickle)")
-    else:
-        raise CheckpointError(f"{src / SINGLE_FILE}: missing (and no {INDEX_FILE})")
-
-    tensors: dict[str, SourceTensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} is missing")
-        try:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():
-                    view = f.get_slice(name)
-                    code = view.get_dtype()
-                    if code not in ST_DTYPES:
-                        raise CheckpointError(
-                            f"{file}: {name} is stored as {code}; only float32/bfloat16/float16 weights convert "
-                            "(quantized checkpoints do not)"
-                        )
-                    tensors[name] = SourceTensor(file, name, tuple(view.get_shape()), ST_DTYPES[code])
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-    if weight_map is not None:
-        for name, shard in weight_map.items():
-            if name not in tensors or tensors[name].file != src / shard:
-                raise CheckpointError(f"{index}: lists {name} in {shard}, which does not hold it")
+    """Every stored tensor with its file, shape and dtype, from the safetensors headers only (the
+    checkpoint module's reader, which also checks the index against the shards)."""
+    tensors = {}
+    for name, stored in read_headers(src).items():
+        if stored.dtype not in SOURCE_DTYPES:
+            raise CheckpointError(f"{stored.file}: {name} is stored as {stored.dtype}; only float32/bfloat16/float16 "
+                                  "weights convert (quantized checkpoints do not)")
+        tensors[name] = SourceTensor(stored.file, name, stored.shape, DTYPES[stored.dtype])
     return tensors
-
-
-# ---------------------------------------------------------------------------------------------
-# Config: map or refuse every setting that changes the math
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _TextLayout:
-    """What the checks decided about the Gemma 4 text model."""
-
-    text: dict  # the text config with Gemma 4 defaults filled in
-    dg_text: dict  # DiffusionGemma text fields for ModelConfig.from_hf_dict
-    kv_producer: dict[int, int]  # KV-shared layer -> the layer whose K/V projections it used
-    present: dict[str, str]  # droppable feature -> how the config shows it
-
-
-def _layer_geometry(text: dict, layer_types: list[str], problems: list[str]) -> tuple[int, int]:
-    """Head dim and KV heads of the full-attention layers, from `per_layer_config` (what transformers
-    writes) or `global_head_dim` / `num_global_key_value_heads` (hand-written configs)."""
-    base = (text["head_dim"], text["num_key_value_heads"])
-    per_layer = text.get("per_layer_config")
-    if per_layer is None:
-        # Gemma 4 applies num_global_key_value_heads only together with K = V (checked elsewhere).
-        return text["global_head_dim"], text["num_global_key_value_heads"] or base[1]
-    if not isinstance(per_layer, dict):
-        problems.append("per_layer_config is not a mapping")
-        return base
-    shapes = {}
-    for i, kind in enumerate(layer_types):
-        over = per_layer.get(str(i), per_layer.get(i)) or {}
-        extra = sorted(set(over) - {"head_dim", "num_key_value_heads"})
-        if extra:
-            problems.append(f"per_layer_config overrides {', '.join(extra)} on layer {i} (not representable)")
-        shape = (over.get("head_dim", base[0]), over.get("num_key_value_heads", base[1]))
-        if kind == SLIDING and shape != base:
-            problems.append(f"sliding layer {i} has its own attention shape {shape} (only full layers may differ)")
-        shapes.setdefault(kind, set()).add(shape)
-    full = shapes.get(FULL, {base})
-    if len(full) > 1:
-        problems.append(f"full-attention layers have different shapes {sorted(full)}")
-    return sorted(full)[0]
-
-
-def _kv_producers(layer_types: list[str], shared: int, problems: list[str]) -> dict[int, int]:
-    """Gemma 4 KV sharing: the last `shared` layers reuse the K/V of the last earlier layer of their type."""
-    if shared <= 0:
-        return {}
-    first = len(layer_types) - shared
-    out = {}
-    for i in range(max(first, 0), len(layer_types)):
-        earlier = [j for j in range(first) if layer_types[j] == layer_types[i]]
-        if not earlier:
-            problems.append(f"KV-shared layer {i} has no earlier {layer_types[i]} layer to share with")
-            return {}
-        out[i] = earlier[-1]
-    return out
-
-
-def _check_text_config(top: dict, given: dict, config_file: Path) -> _TextLayout:
-    text = {**GEMMA4_TEXT_DEFAULTS, **given}
-    n_layers = text["num_hidden_layers"]
-    layer_types = list(text.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)])
-    if layer_types and layer_types[-1] != FULL:  # Gemma 4 forces this too
-        layer_types[-1] = FULL
-    rope = {**DEFAULT_ROPE, **(text.get("rope_parameters") or {})}
-
-    problems: list[str] = []  # what no flag can fix
-    if not text["enable_moe_block"]:
-        problems.append(
-            "dense-only Gemma 4 (enable_moe_block=false): DiffusionGemma layers run routed experts beside the "
-            "dense MLP, so only the MoE layout (e.g. gemma-4-26B-A4B) converts"
-        )
-    elif None in (text["num_experts"], text["top_k_experts"], text["moe_intermediate_size"]):
-        problems.append("enable_moe_block=true but num_experts / top_k_experts / moe_intermediate_size is unset")
-    if not text["attention_k_eq_v"]:
-        problems.append(
-            "full-attention layers have their own v_proj (attention_k_eq_v=false, DiffusionGemma's full "
-            "layers use K = V)"
-        )
-    cap = text["final_logit_softcapping"]
-    if cap is None:
-        problems.append("final_logit_softcapping is unset (DiffusionGemma always soft-caps its logits)")
-    elif not cap > 0:
-        problems.append(f"final_logit_softcapping={cap} (a soft-cap must be positive)")
-    if text["hidden_activation"] != "gelu_pytorch_tanh":
-        problems.append(f"hidden_activation={text['hidden_activation']!r} (DiffusionGemma uses gelu_pytorch_tanh)")
-    if text["attention_bias"]:
-        problems.append("attention_bias=true (DiffusionGemma's projections have no bias)")
-    if text["use_bidirectional_attention"] == "all":
-        problems.append("use_bidirectional_attention='all' (a bidirectional encoder, DiffusionGemma's is causal)")
-    if not (text["tie_word_embeddings"] and top.get("tie_word_embeddings", True)):
-        problems.append("tie_word_embeddings=false (DiffusionGemma's LM head is the embedding)")
-    bad_types = sorted(set(layer_types) - {SLIDING, FULL})
-    if bad_types:
-        problems.append(f"layer types {bad_types}")
-    for kind in (SLIDING, FULL):
-        r = rope.get(kind) or {}
-        kinds_ok = ("default",) if kind == SLIDING else ("default", "proportional")
-        partial_ok = kind == FULL or r.get("partial_rotary_factor", 1.0) == 1.0
-        if r.get("rope_type", "default") not in kinds_ok or r.get("factor", 1.0) != 1.0 or not partial_ok:
-            problems.append(f"{kind} rope_parameters {r} (supported: {' or '.join(kinds_ok)} RoPE without scaling)")
-    sources = (given,) if given is top else (given, top)
-    for source in sources:
-        for key, what in FOREIGN_SETTINGS.items():
-            if source.get(key) is not None:
-                problems.append(f"{key}={source[key]!r} ({what}, which Gemma 4 and DiffusionGemma do not have)")
-    if any(source.get("quantization_config") for source in sources):
-        problems.append("quantization_config is set (convert the unquantized weights instead)")
-    full_head_dim, full_kv_heads = _layer_geometry(text, layer_types, problems)
-    producers = _kv_producers(layer_types, text["num_kv_shared_layers"], problems)
-    if producers and text["use_double_wide_mlp"]:
-        problems.append(
-            "use_double_wide_mlp=true (KV-shared layers get a twice-as-wide MLP, DiffusionGemma has one width)"
-        )
-
-    present = {}
-    if text["hidden_size_per_layer_input"]:
-        present["per-layer-embeddings"] = f"hidden_size_per_layer_input={text['hidden_size_per_layer_input']}"
-    if producers:
-        present["kv-sharing"] = f"num_kv_shared_layers={text['num_kv_shared_layers']}"
-    if top.get("audio_config"):
-        present["audio"] = "audio_config"
-
-    if problems:
-        raise CheckpointError(f"{config_file}: cannot convert to DiffusionGemma: {'; '.join(problems)}")
-
-    eos = text["eos_token_id"]
-    dg_text = {
-        "vocab_size": text["vocab_size"],
-        "hidden_size": text["hidden_size"],
-        "intermediate_size": text["intermediate_size"],
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": text["num_attention_heads"],
-        "num_key_value_heads": text["num_key_value_heads"],
-        "head_dim": text["head_dim"],
-        "global_head_dim": full_head_dim,
-        "num_global_key_value_heads": full_kv_heads,
-        "sliding_window": text["sliding_window"],
-        "layer_types": layer_types,
-        "rope_parameters": rope,
-        "num_experts": text["num_experts"],
-        "top_k_experts": text["top_k_experts"],
-        "moe_intermediate_size": text["moe_intermediate_size"],
-        "rms_norm_eps": text["rms_norm_eps"],
-        "final_logit_softcapping": text["final_logit_softcapping"],
-        "max_position_embeddings": text["max_position_embeddings"],
-        "hidden_activation": text["hidden_activation"],
-        "pad_token_id": text["pad_token_id"] if text["pad_token_id"] is not None else 0,
-        "eos_token_id": eos if eos is not None else 1,
-        "bos_token_id": text["bos_token_id"] if text["bos_token_id"] is not None else 2,
-        "initializer_range": text["initializer_range"],
-    }
-    return _TextLayout(text, dg_text, producers, present)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +193,8 @@ def plan_conversion(
     if canvas_length < 1:
         raise CheckpointError(f"canvas_length must be >= 1, got {canvas_length}")
     config_file = src / "config.json"
-    top, text_given = _read_source_config(src)
-    layout = _check_text_config(top, text_given, config_file)
+    top, text_given = read_source_config(src)
+    layout = check_text_config(top, text_given, config_file)
     tensors = _source_tensors(src)
     text_prefix, outer = _find_prefixes(tensors, src)
     # Sort the stored tensors into parts before judging the config's droppable features, because a
@@ -502,8 +226,8 @@ def plan_conversion(
     if layout.kv_producer:
         plan.dropped["kv-sharing"] = 0  # no tensors: the shared layers get their producer's projections
 
-    plan.hf_config = _output_config(config, top, layout, keep_vision, dtype or embed.dtype)
-    plan.generation_config = _generation_config(src, config, layout)
+    plan.hf_config = output_config(config, top, layout, keep_vision, dtype or embed.dtype)
+    plan.generation_config = generation_config(src, config, layout)
     plan.tokenizer_files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     return plan
 
@@ -557,8 +281,6 @@ def _plan_network(src: Path, config: ModelConfig, tensors: dict, text_prefix: st
                   ) -> tuple[list[PlannedTensor], set[str]]:
     """Every tensor of the DiffusionGemma network: from its Gemma 4 source, or new (self-conditioning).
     Returns the planned tensors and the source names used."""
-    from dgemma.model.network import DiffusionGemma
-
     with torch.device("meta"):
         expected = DiffusionGemma(config).state_dict()
     fresh = _new_self_conditioning(config, new_dtype, seed)
@@ -614,92 +336,12 @@ def _is_shared_kv_weight(name: str, text_prefix: str, producers: dict[int, int])
     return bool(m) and int(m.group(1)) in producers and m.group(2) in (*KV_TENSORS, "self_attn.v_norm.weight")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _output_config(config: ModelConfig, top: dict, layout: _TextLayout, keep_vision: bool, dtype) -> dict:
-    """config.json for `DiffusionGemmaForBlockDiffusion`: our ModelConfig's fields, plus what transformers
-    needs beyond the text path (vision tower config and image token ids when the vision tower is kept)."""
-    out = config.to_hf_dict()  # a minimal vision config that transformers builds but dgemma never runs
-    text = out["text_config"]
-    for key in ("use_bidirectional_attention", "attention_dropout"):
-        if layout.text.get(key) is not None:
-            text[key] = layout.text[key]
-    text["eos_token_id"] = layout.dg_text["eos_token_id"]  # keep a list of ids as a list
-    text["dtype"] = out["dtype"] = _dtype_name(dtype)
-    if keep_vision and top.get("vision_config"):
-        out["vision_config"] = top["vision_config"]
-        for key in ("boi_token_id", "eoi_token_id", "image_token_id"):
-            if top.get(key) is not None:
-                out[key] = top[key]
-    return out
-
-
-def _generation_config(src: Path, config: ModelConfig, layout: _TextLayout) -> dict:
-    """The released sampler defaults, with the end-of-turn ids of the source (its generation_config.json
-    lists every id that ends a turn, e.g. <eos> and <turn|>)."""
-    eos = layout.dg_text["eos_token_id"]
-    gen_file = src / "generation_config.json"
-    if gen_file.is_file():
-        eos = read_json(gen_file).get("eos_token_id", eos)
-    ids = tuple(eos) if isinstance(eos, list) else (eos,)
-    sampling = SamplingConfig(eos_token_ids=ids, pad_token_id=config.pad_token_id)
-    return {**sampling.to_hf_dict(), "bos_token_id": config.bos_token_id}
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 def _load_source_tensor(handle, name: str) -> torch.Tensor:
     """One tensor out of a memory-mapped safetensors file (its own buffer; the only copy in RAM)."""
     return handle.get_tensor(name)
-
-
-def _write_safetensors(path: Path, items: list[PlannedTensor], read: Callable[[PlannedTensor], torch.Tensor]):
-    """Write a safetensors file tensor by tensor: the header (names, dtypes, shapes, offsets) is known from
-    the plan, so each tensor is read, written and released before the next one is touched."""
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in items:
-        header[t.name] = {
-            "dtype": ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]
-        }
-        offset += t.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for t in items:
-            tensor = read(t)
-            if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
-                raise CheckpointError(f"{path}: {t.name} came out as {tuple(tensor.shape)} {tensor.dtype}")
-            # safetensors stores little-endian; every platform torch ships for is little-endian
-            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _human_bytes(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def _shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
-    # Source order, so each output shard reads from as few source files as possible.
-    shards: list[list[PlannedTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
 
 
 def check_output(plan: ConversionPlan, out, *, overwrite: bool = False) -> Path:
@@ -716,7 +358,7 @@ def check_output(plan: ConversionPlan, out, *, overwrite: bool = False) -> Path:
         raise CheckpointError(f"{parent}: no such folder to write {out.name} into")
     free = shutil.disk_usage(parent).free
     if free < plan.total_bytes + (1 << 20):
-        raise CheckpointError(f"{parent}: {_human_bytes(plan.total_bytes)} needed, {_human_bytes(free)} free")
+        raise CheckpointError(f"{parent}: {human_bytes(plan.total_bytes)} needed, {human_bytes(free)} free")
     return out
 
 
@@ -726,11 +368,11 @@ def write_conversion(plan: ConversionPlan, out, *, max_shard_bytes: int = DEFAUL
     out = check_output(plan, out, overwrite=overwrite)
     parent = out.parent
     # Read in source-file order; new tensors (self-conditioning) go last.
-    order = sorted(plan.tensors, key=lambda t: (t.source is None, str(t.source.file) if t.source else "", t.name))
-    shards = _shards(order, max_shard_bytes)
+    order = sorted(plan.tensors, key=lambda t: (t.source is None, str(t.source.file) if t.source else "", t.key))
+    shards = pack_shards(((t, t.nbytes) for t in order), max_shard_bytes)
     handles: dict[Path, object] = {}
 
-    def read(t: PlannedTensor) -> torch.Tensor:
+    def read(t: PlannedTensor) -> torch.Tensor:  # one tensor, released by the writer before the next
         if t.source is None:
             return t.make()
         file = t.source.file
@@ -744,17 +386,8 @@ def write_conversion(plan: ConversionPlan, out, *, max_shard_bytes: int = DEFAUL
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(tmp / fname, shard, read)
-            weight_map.update({t.name: fname for t in shard})
-            if progress:
-                progress(f"wrote {fname} ({_human_bytes(sum(t.nbytes for t in shard))}, {len(shard)} tensors)")
+        write_shards(tmp, shards, lambda shard: (shard, read), progress)
         handles.clear()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(plan.hf_config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(plan.generation_config, indent=2, sort_keys=True) + "\n")
         for name in plan.tokenizer_files:
@@ -787,7 +420,7 @@ def describe(plan: ConversionPlan) -> list[str]:
         f"full, K = V), hidden {c.hidden_size}, {c.num_experts} experts top-{c.top_k_experts}, vocab {c.vocab_size:,}",
         f"canvas           {c.canvas_length} tokens",
         f"tensors          {copied} copied, {len(plan.tensors) - copied} new (self-conditioning, down_proj = 0)",
-        f"size             {_human_bytes(plan.total_bytes)}",
+        f"size             {human_bytes(plan.total_bytes)}",
     ]
     for feature, n in plan.dropped.items():
         what = f"{n} tensors" if n else "shared layers get their producer's K/V projections"
