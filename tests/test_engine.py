@@ -129,6 +129,7 @@ def test_compiled_decoder_gives_the_same_tokens(model):
     from torch._dynamo.utils import counters
 
     counters.clear()
+    dynamo_before = torch._dynamo.config.get_config_copy()
     compiled = copy.deepcopy(model).compile_decoder()
     cache_a, cache_b = model.new_cache(1, 64), compiled.new_cache(1, 64)
     prompt = torch.tensor([PROMPTS[0]])
@@ -146,6 +147,8 @@ def test_compiled_decoder_gives_the_same_tokens(model):
     requests = engine.generate(PROMPTS[:3], s, seeds=[100, 101, 102])
     assert [r.tokens for r in requests] == [p.tokens[0] for p in plain]
     assert not counters["graph_break"]  # one graph per shape: the experts did not split it
+    # ... with dynamo's capture_scalar_outputs set only while a compiled call runs: no setting left changed
+    assert torch._dynamo.config.get_config_copy() == dynamo_before
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     for method in (dgemma.DiffusionGemma.decode_canvas, dgemma.DiffusionGemma.encode_tokens):  # both ran compiled

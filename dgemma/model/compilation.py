@@ -18,10 +18,18 @@ model's compiled step is already in that cache, and the fallback to eager when c
   is large matmuls that compiling does not speed up, and compiling it takes longer than many canvases do.
 - Fallback: compiling needs a C++ compiler on a CPU and triton on a GPU. Without them, or when a compile
   raises, the model runs eagerly, after one warning line on stderr.
+- Policy (`should_compile`): the command line's --compile / --eager first, then DGEMMA_EAGER, then the
+  command's default; `dgemma.commands._common` turns the flags into these arguments.
+- What compiling does to a model (`compile_model`, behind `DiffusionGemma.compile_decoder`): the routed
+  experts become one custom op, the projections that read the same input get a fused copy
+  (`FusedLinears`, CPU), and the decoder step and the encoder's layers are wrapped in `CompiledOrEager`.
+  The one dynamo setting the graphs need (`DYNAMO_SETTINGS`) is set for each compiled call and restored
+  after it: nothing global is left changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,6 +38,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 CPU_MODE = "max-autotune-no-cudagraphs"
 # Above this many parameters a CPU runs eagerly unless asked (`--compile`) or the cache is warm: the step is
@@ -125,6 +135,33 @@ def compiles_by_default(model, mode: str | None = None) -> bool:
     return is_warm(model, mode)
 
 
+def resolve_mode(mode: str | None, device) -> str:
+    """--compile-mode's value: "auto" (or None) is the device's default."""
+    return default_mode(device) if mode in (None, "auto") else mode
+
+
+def should_compile(model, *, compile: bool = False, eager: bool = False, by_default: bool | str = False,
+                   mode: str | None = None) -> bool:
+    """The compile policy: `eager` / `compile` (the flags) first, then DGEMMA_EAGER, then the command's
+    default: True (compiled, but a model above CPU_EAGER_ABOVE_PARAMS on a CPU only once warm), False, or
+    "warm" (only when this model's compiled step is in the cache)."""
+    if eager:
+        return False
+    if compile:
+        return True
+    if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
+        return False
+    mode = resolve_mode(mode, model.device)
+    if by_default == "warm":
+        return is_warm(model, mode)
+    if by_default and not compiles_by_default(model, mode):
+        print(f"note: {model.config.param_counts()['total'] / 1e9:.1f}B parameters on a CPU: running eagerly (its "
+              f"step is big matmuls compiling does not speed up, and the compile takes many minutes); "
+              f"--compile to compile anyway", file=sys.stderr)
+        return False
+    return bool(by_default)
+
+
 def warn_eager(reason: str):
     """The one line a user sees when the compiled step is not used."""
     print(f"warning: torch.compile unavailable, running eagerly: {reason}", file=sys.stderr, flush=True)
@@ -150,6 +187,27 @@ class CompileState:
             mark_warm(self.model, self.mode)
 
 
+# The experts' grid capacity is read from a tensor inside the graph (an unbacked size); without this
+# dynamo would break the graph at every layer there. Set only while a compiled function runs (tracing
+# happens inside that call), so other torch.compile users in the process see their own settings.
+DYNAMO_SETTINGS = {"capture_scalar_outputs": True}
+
+
+@contextlib.contextmanager
+def dynamo_settings():
+    """`DYNAMO_SETTINGS` for the duration of one call, then the caller's values again. Set by hand rather
+    than through `torch._dynamo.config.patch`, which costs ~60 us a call against ~12 us (2 CPU cores)."""
+    config = torch._dynamo.config
+    saved = {name: getattr(config, name) for name in DYNAMO_SETTINGS}
+    for name, value in DYNAMO_SETTINGS.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
 class CompiledOrEager:
     """`fn` compiled (lazily, by torch.compile at the first call), or `fn` itself once compiling failed.
 
@@ -167,7 +225,8 @@ class CompiledOrEager:
         if self.state.failed:
             return self.eager(*args, **kwargs)
         try:
-            out = self.compiled(*args, **kwargs)
+            with dynamo_settings():
+                out = self.compiled(*args, **kwargs)
         except Exception as error:
             out = self.eager(*args, **kwargs)  # raises, if the input is at fault
             self.state.fail(error)
@@ -175,3 +234,84 @@ class CompiledOrEager:
         if self.mark:
             self.state.succeeded()
         return out
+
+
+def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None):
+    """What `DiffusionGemma.compile_decoder` does (its docstring says why): the model, compiled lazily."""
+    if model.decoder_compiled or (model._compile_state is not None and model._compile_state.failed):
+        return model
+    mode = mode or default_mode(model.device)
+    reason = unavailable_reason(model.device)
+    if reason is not None:
+        warn_eager(reason)
+        return model
+    use_disk_cache()
+    for module in model.modules():
+        prepare = getattr(module, "prepare_for_compile", None)  # the routed experts: one custom op
+        if prepare is not None:
+            prepare()
+    if model.device.type == "cpu":  # projections that read the same input as one matmul (FusedLinears)
+        for block in model.layers:
+            attn = block.self_attn
+            attn.fused_qkv = FusedLinears(attn, ("q_proj", "k_proj") + (("v_proj",) if attn.sliding else ()))
+            model._fused.append(attn.fused_qkv)
+        for mlp in [block.mlp for block in model.layers] + [model.self_conditioning]:
+            mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
+            model._fused.append(mlp.fused_gate_up)
+    options = dict(torch._inductor.list_mode_options(mode))
+    options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
+    model._compile_state = CompileState(model, mode)
+    model._compile_options = options
+    # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
+    model.decode_canvas = model.compiled_function(model.decode_canvas, mark=True)
+    model._compiled_encoder = model.compiled_function(model.encode_tokens)
+    return model
+
+
+class FusedLinears:
+    """Bias-free Linear layers of one module that read the same input, as one (sum of outs, in) weight: one
+    matmul instead of several (on 2 CPU cores at a canvas's 256 rows, q|k|v ~90 us faster per layer than
+    three matmuls, gate|up ~30 us). A copy beside the layers' own weights (bench-20m: 6.9 MB more, 17% of
+    its weights; the routed experts, most of a large MoE, are not copied), used by compiled graphs on a CPU
+    (`DiffusionGemma.compile_decoder` makes it), and made again by `refresh` whenever a weight changed in
+    place (its version counter), was replaced, or its layer is no longer a plain nn.Linear (LoRA,
+    quantised): then `weight` is None and the layers run one by one. (Views into one fused tensor would
+    save the copy, but safetensors refuses to save weights that share memory.)"""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, names
+        self.weight: torch.Tensor | None = None
+        self.splits = ()
+        self._stamp = None
+        self.refresh()
+
+    def refresh(self):
+        """Called eagerly before each compiled call; rebuilds only when a weight changed. The check reads the
+        module's own dicts: through nn.Module's attribute lookup and a no_grad context it took ~23 us per
+        copy (0.4 ms a bench-20m step for its 17 copies), this way ~3.5 us."""
+        layers = [self.owner._modules[name] for name in self.names]
+        if not all(type(layer) is nn.Linear and layer._parameters["bias"] is None for layer in layers):
+            self.weight, self._stamp = None, None
+            return
+        weights = [layer._parameters["weight"] for layer in layers]
+        stamp = [(w.data_ptr(), w._version, w.dtype) for w in weights]
+        if stamp != self._stamp:
+            self._rebuild(weights)
+            self._stamp = stamp
+
+    @torch.no_grad()
+    def _rebuild(self, weights: list[torch.Tensor]):
+        fused = torch.cat(weights)
+        if self.weight is not None and self.weight.shape == fused.shape and self.weight.dtype == fused.dtype:
+            self.weight.copy_(fused)  # the same tensor, so the compiled graph's guards still hold
+        else:
+            self.weight = fused
+        self.splits = tuple(w.shape[0] for w in weights)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.splits, dim=-1)
+
+
+def fused_inside_graphs(fused: FusedLinears | None) -> bool:
+    """Whether to run the one fused matmul: inside a compiled graph, with a fused copy in place."""
+    return fused is not None and fused.weight is not None and torch.compiler.is_compiling()

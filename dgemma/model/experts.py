@@ -87,6 +87,10 @@ class Experts(nn.Module):
         capacity = (busiest + 7) // 8 * 8
         return self._batched(x.repeat_interleave(k, dim=0), flat_expert, rank, capacity).view(N, k, -1)
 
+    def prepare_for_compile(self):
+        """Called by `dgemma.model.compilation.compile_model` before tracing: see `register_for_compile`."""
+        register_for_compile(self)
+
     def route(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (N, H), experts (N, k) -> (N, k, H): expert experts[n, j] applied to token n."""
         N, k = experts.shape

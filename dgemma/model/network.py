@@ -30,8 +30,9 @@ from dgemma.model.attention import (
     rope_tables,
 )
 from dgemma.model import compilation
-from dgemma.model.experts import Experts, register_for_compile
-from dgemma.model.layers import FusedLinears, GatedMLP, RMSNorm, fused_inside_graphs
+from dgemma.model.compilation import FusedLinears, fused_inside_graphs
+from dgemma.model.experts import Experts
+from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
 
 
@@ -245,7 +246,7 @@ class DiffusionGemma(nn.Module):
         """Random init: normal(0, initializer_range) for matrices, ones for norms and scales."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             else:
@@ -501,36 +502,7 @@ class DiffusionGemma(nn.Module):
         compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
         warning line; `decoder_compiled` then says False.
         """
-        if self.decoder_compiled or (self._compile_state is not None and self._compile_state.failed):
-            return self
-        mode = mode or compilation.default_mode(self.device)
-        reason = compilation.unavailable_reason(self.device)
-        if reason is not None:
-            compilation.warn_eager(reason)
-            return self
-        compilation.use_disk_cache()
-        for module in self.modules():
-            if isinstance(module, Experts):
-                register_for_compile(module)
-        # the experts' grid capacity is read from a tensor inside the graph (an unbacked size); without
-        # this, dynamo would break the graph at every layer there
-        torch._dynamo.config.capture_scalar_outputs = True
-        if self.device.type == "cpu":  # projections that read the same input as one matmul (FusedLinears)
-            for block in self.layers:
-                attn = block.self_attn
-                attn.fused_qkv = FusedLinears(attn, ("q_proj", "k_proj") + (("v_proj",) if attn.sliding else ()))
-                self._fused.append(attn.fused_qkv)
-            for mlp in [block.mlp for block in self.layers] + [self.self_conditioning]:
-                mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
-                self._fused.append(mlp.fused_gate_up)
-        options = dict(torch._inductor.list_mode_options(mode))
-        options["cpp_wrapper"] = self.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
-        self._compile_state = compilation.CompileState(self, mode)
-        self._compile_options = options
-        # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
-        self.decode_canvas = self.compiled_function(self.decode_canvas, mark=True)
-        self._compiled_encoder = self.compiled_function(self.encode_tokens)
-        return self
+        return compilation.compile_model(self, mode, cpp_wrapper)
 
     def compiled_function(self, fn, *, mark: bool = False, **compile_kwargs):
         """`fn` compiled with this model's options, falling back to eager with the model's other compiled
