@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from dgemma.commands._common import plot_file
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -315,7 +317,8 @@ def main():
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "soak.png")
+    parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak.png",
+                        help="PNG of RSS and requests over time (needs dgemma[plot])")
     parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log",
                         help="the server's stderr (its tracebacks are printed at the end)")
     args = parser.parse_args()

@@ -152,7 +152,7 @@ def guidance_rows(seeds: int) -> list[dict]:
         for seed in range(seeds):
             drafts = []
             result = generate(model, [prompt], sampling, seed=seed, constraint=automaton, guide_steps=guide,
-                              on_draft=lambda step, argmax, *_: drafts.append((step, argmax[0].clone())))
+                              on_draft=lambda step, argmax, *_, out=drafts: out.append((step, argmax[0].clone())))
             last = [d[1] for i, d in enumerate(drafts) if i + 1 == len(drafts) or drafts[i + 1][0] == 0]
             committed = result.sequences[0]
             for c, argmax in enumerate(last):  # the committing step's argmax against the committed canvas

@@ -95,3 +95,26 @@ def test_memory_peaks_see_each_run_even_when_freed_memory_is_kept():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert all(int(mb) >= 60 for mb in out.stdout.split()), out.stdout
+
+
+def test_missing_extras_are_one_line_naming_the_pip_command(monkeypatch, capsys, tmp_path):
+    """A core install (no matplotlib, no transformers): --plot is refused before any work, and the transformers
+    comparison before it loads anything of transformers, each in one line naming the extra to install."""
+    import importlib.util
+
+    import pytest
+
+    from dgemma.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("matplotlib", "transformers") else real(name, *a))
+    with pytest.raises(SystemExit) as exit_code:
+        main(["bench", "--config", "tiny", "--plot", str(tmp_path / "bench.png")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_code.value.code == 2 and "--plot" in err and "pip install 'dgemma[plot]'" in err
+    args = ["bench", "--config", "tiny", "--batch", "1", "--steps", "1", "--repeats", "1", "--prompt-len", "8",
+            "--eager", "--no-ar", "--no-adaptive", "--no-startup"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'dgemma[bench]'" in err[0] and "--no-transformers" in err[0], err

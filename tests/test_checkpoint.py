@@ -18,8 +18,6 @@ TOL = 1e-4
 
 
 def _logits(model_or_hf, ids, canvas, ours: bool):
-    from transformers.cache_utils import DynamicCache
-
     with torch.no_grad():
         if ours:
             cache = model_or_hf.new_cache(ids.shape[0], 128)

@@ -178,7 +178,7 @@ def test_rows_stop_on_their_own_and_stopped_rows_are_frozen():
                       on_draft=lambda step, argmax, entropy, accepted: drafts.append((step, argmax.clone())))
     assert result.steps_per_canvas == [[2], [6]]
     assert [d[0] for d in drafts] == list(range(6))
-    for step, argmax in drafts[1:]:
+    for _step, argmax in drafts[1:]:
         assert torch.equal(argmax[0], drafts[1][1][0])  # frozen after it stopped
     frozen_canvas = model.denoises[2]["canvas"][0]
     for call in model.denoises[2:]:

@@ -167,9 +167,9 @@ def test_image_input_errors():
         text_only.encode(torch.zeros(1, 3, dtype=torch.long), text_only.new_cache(1, 8), pixel_values=patches)
     from dgemma.config import VisionConfig
 
-    config = dgemma.get_preset("tiny").replace(vision=VisionConfig(**{
-        "hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
-        "head_dim": 8, "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 160}), image_token_id=5)
+    config = dgemma.get_preset("tiny").replace(vision=VisionConfig(
+        hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, patch_size=4,
+        pooling_kernel_size=2, position_embedding_size=160), image_token_id=5)
     model = dgemma.DiffusionGemma(config)
     batch = PROCESSOR(pictures((8, 8)))
     ids = torch.tensor([[2] + [5] * (batch.num_soft_tokens[0] - 1)])

@@ -23,6 +23,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def missing_extra(module: str, extra: str, what: str) -> str | None:
+    """The one line saying `what` needs an optional extra that is not installed, or None when `module` imports."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"{what} needs {module}, which the core install leaves out: pip install 'dgemma[{extra}]'"
+
+
+def require_extra(module: str, extra: str, what: str):
+    """UsageError (one line, exit code 2) when an optional extra `what` needs is not installed."""
+    message = missing_extra(module, extra, what)
+    if message:
+        raise UsageError(message)
+
+
+def plot_file(text: str) -> str:
+    """--plot's type: a PNG path, refused before any work when matplotlib (the [plot] extra) is missing."""
+    message = missing_extra("matplotlib", "plot", "--plot")
+    if message:
+        raise argparse.ArgumentTypeError(message)
+    return text
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -76,33 +100,19 @@ def _modes():
 
 
 def wants_compile(args, model) -> bool:
-    """The compile policy: flags first, then DGEMMA_EAGER, then the command's default."""
-    import os
-
+    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`)."""
     from dgemma.model import compilation
 
-    if getattr(args, "eager", False):
-        return False
-    if getattr(args, "compile", False):
-        return True
-    if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
-        return False
-    default = getattr(args, "compile_by_default", False)
-    if default == "warm":
-        return compilation.is_warm(model, compile_mode(args, model))
-    if default and not compilation.compiles_by_default(model, compile_mode(args, model)):
-        print(f"note: {model.config.param_counts()['total'] / 1e9:.1f}B parameters on a CPU: running eagerly (its "
-              f"step is big matmuls compiling does not speed up, and the compile takes many minutes); "
-              f"--compile to compile anyway", file=sys.stderr)
-        return False
-    return bool(default)
+    return compilation.should_compile(model, compile=getattr(args, "compile", False),
+                                      eager=getattr(args, "eager", False),
+                                      by_default=getattr(args, "compile_by_default", False),
+                                      mode=getattr(args, "compile_mode", "auto"))
 
 
 def compile_mode(args, model) -> str:
     from dgemma.model import compilation
 
-    mode = getattr(args, "compile_mode", "auto")
-    return compilation.default_mode(model.device) if mode == "auto" else mode
+    return compilation.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
 
 
 def maybe_compile(args, model):

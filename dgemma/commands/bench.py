@@ -14,6 +14,7 @@ from dgemma.commands._common import (
     add_compile_arguments,
     add_revision_argument,
     compile_mode,
+    plot_file,
     wants_compile,
 )
 
@@ -50,7 +51,7 @@ def add_arguments(p):
                    help="leave glibc's allocator as it is (by default the process keeps freed memory for "
                         "reuse, as the generating commands do; this changes the eager systems' speed, "
                         "transformers' most)")
-    p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size")
+    p.add_argument("--plot", type=plot_file, default=None, help="PNG of tokens/s against batch size (needs dgemma[plot])")
     p.add_argument("--seed", type=int, default=0)
 
 

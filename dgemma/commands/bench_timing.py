@@ -182,6 +182,9 @@ class EngineTimed(Timed):
 
 
 def load_transformers(folder, dtype, device):
+    from dgemma.commands._common import require_extra
+
+    require_extra("transformers", "bench", "the transformers comparison (skip it with --no-transformers)")
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging
 

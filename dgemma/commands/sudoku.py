@@ -14,6 +14,7 @@ from dgemma.commands._common import (
     add_revision_argument,
     denoising_overrides,
     maybe_compile,
+    plot_file,
 )
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -58,7 +59,7 @@ def add_arguments(p):
     _model_arguments(ev, compile_by_default=True)
     ev.add_argument("--batch", type=int, default=32, help="puzzles denoised together (default 32)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N puzzles")
-    ev.add_argument("--plot", default=None, help="write a PNG of the order in which cells get fixed")
+    ev.add_argument("--plot", type=plot_file, default=None, help="write a PNG of the order in which cells get fixed")
     ev.set_defaults(_action=_eval)
 
 
