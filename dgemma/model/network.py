@@ -500,7 +500,8 @@ class DiffusionGemma(nn.Module):
         allocates their buffers in C++ instead of Python: less interpreter time per step, against a slower
         first compile. Compiled code goes to torch's on-disk caches, so a second start is quick. Where
         compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
-        warning line; `decoder_compiled` then says False.
+        warning line; `decoder_compiled` then says False. No torch setting is left changed: the one dynamo
+        setting the graphs need is set only while a compiled call runs (`compilation.dynamo_settings`).
         """
         return compilation.compile_model(self, mode, cpp_wrapper)
 
