@@ -1,4 +1,5 @@
-"""`dgemma serve`: an OpenAI-compatible HTTP server with a playground page, one engine for all requests."""
+"""`dgemma serve`: an OpenAI-compatible HTTP server with a playground page: one engine for all requests, or
+N replicas of it behind one endpoint on Ray Serve (--replicas)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import socket
 import sys
 from pathlib import Path
 
-from dgemma.commands._common import UsageError, add_model_arguments, load_from_args, positive_int
+from dgemma.commands._common import (
+    UsageError,
+    add_model_arguments,
+    load_from_args,
+    non_negative_float,
+    positive_int,
+)
 
 
 def add_arguments(p):
@@ -40,49 +47,29 @@ def add_arguments(p):
                         "(minutes at Gemma's vocabulary; read from --automaton-cache when it is there)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level ('info' logs every request)")
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
+    g.add_argument("--replicas", type=positive_int, default=None,
+                   help="serve with N whole engines (each its own process, model and batch) behind one endpoint")
+    g.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="the Ray cluster to deploy on (`ray start --head` prints it; 'auto': the one on this "
+                        "machine); default: a private Ray instance on this machine, stopped with the server")
+    g.add_argument("--cpus-per-replica", type=non_negative_float, default=None,
+                   help="Ray CPUs each replica reserves, also its torch threads (default: on this machine its "
+                        "cores shared out among the replicas; on a cluster 1)")
+    g.add_argument("--gpus-per-replica", type=non_negative_float, default=None,
+                   help="GPUs each replica reserves (default 1 when --device is cuda, or auto on a machine "
+                        "with CUDA; else 0)")
 
 
 def run(args):
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicas(args)
     import uvicorn
 
-    from dgemma.chat.codec import TextCodec
     from dgemma.serving.app import create_app
-    from dgemma.serving.state import ServerState
-    from dgemma.serving.worker import EngineWorker
-    from dgemma.tasks import read_task, task_codec
-    from dgemma.tokenizer import Tokenizer
 
-    folder = Path(args.model)
-    if not folder.is_dir():
-        raise UsageError(f"no such model folder: {folder}")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be 0..65535, got {args.port}")
-    try:
-        task = read_task(folder)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    model = load_from_args(args)
-    vocab_size = model.config.vocab_size
-    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
-    context = model.config.max_position_embeddings
-    if args.max_length is not None and args.max_length > context:
-        raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
-    images = _image_reader(args, folder, model) if task == "text" else None
-    from dgemma.structured import set_disk_cache
-
-    set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
-    worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
-    if model.decoder_compiled:
-        print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
-        worker.engine.warm_up()
-    from dgemma.model.hub import is_hub_id
-
-    typed = getattr(args, "model_name", args.model)  # the id, when the folder came from the Hugging Face cache
-    name = args.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists() else folder.resolve().name)
-    state = ServerState(worker=worker, codec=codec, model_name=name, sampling=model.sampling_config,
-                        canvas_length=model.config.canvas_length, api_key=args.api_key or None,
-                        max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images)
-
+    _check_arguments(args)
+    state = build_state(args)
     # Bind and listen before uvicorn starts, so the port is known (--port 0) and clients that connect
     # early wait in the backlog instead of being refused.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -94,19 +81,144 @@ def run(args):
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     sock.listen(2048)
     port = sock.getsockname()[1]
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
-    if args.host not in ("127.0.0.1", "localhost", "::1") and state.api_key is None:
-        print("dgemma serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
-    print(f"dgemma serve: {name} ({codec.task}{', images' if images else ''}, batch {args.max_batch}, "
-          f"queue {args.max_queue}) "
-          f"on http://{host}:{port}", flush=True)
-
-    if args.prebuild_json_object and codec.task == "text":
-        _prebuild_json_object(codec)
+    _announce(args, state.codec.task + (", images" if state.images else ""), port)
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _check_arguments(args):
+    """What can be checked before any weight is read (and, with --replicas, before Ray starts)."""
+    from dgemma.model.checkpoint import model_config
+    from dgemma.tasks import read_task
+
+    folder = Path(args.model)
+    if not folder.is_dir():
+        raise UsageError(f"no such model folder: {folder}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    try:
+        read_task(folder)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    context = model_config(folder)[1].max_position_embeddings
+    if args.max_length is not None and args.max_length > context:
+        raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
+
+
+def _run_replicas(args):
+    """`--replicas N`: N replicas of this server on Ray Serve (dgemma/serving/replicas.py)."""
+    import functools
+    import os
+
+    try:
+        import ray  # noqa: F401  (the extra's presence, checked before anything is loaded)
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        raise UsageError("--replicas and --ray-address run on Ray Serve, which is not installed: "
+                         "pip install 'dgemma[ray]'") from None
+    try:
+        from dgemma.serving import replicas
+    except ImportError as e:  # ray without its serve extra
+        raise UsageError(f"Ray Serve does not import ({e}): pip install 'dgemma[ray]'") from None
+    _check_arguments(args)
+    count = args.replicas or 1
+    local = args.ray_address is None
+    cpus = args.cpus_per_replica
+    if cpus is None:
+        cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
+    plan = replicas.ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(args),
+                                max_ongoing=args.max_batch + args.max_queue)
+    port = args.port or _free_port(args.host)
+    resources = replicas.start_ray(args.ray_address)
+    for name, each in (("CPU", plan.cpus), ("GPU", plan.gpus)):
+        if count * each > resources.get(name, 0):
+            raise UsageError(f"{count} replicas of {each:g} {name}s need {count * each:g}; the Ray cluster has "
+                             f"{resources.get(name, 0):g} (--cpus-per-replica, --gpus-per-replica)")
+    print(f"dgemma serve: starting {count} replicas on Ray Serve ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs each)",
+          file=sys.stderr, flush=True)
+    announce = functools.partial(_announce, args, f"{count} replicas", port)
+    try:
+        return replicas.serve_replicas(functools.partial(build_replica_state, args), plan, host=args.host,
+                                       port=port, announce=announce, local=local)
+    except RuntimeError as e:  # Ray Serve's DeploymentFailed: the replicas' own errors are in the message
+        raise UsageError(f"the replicas did not start: {str(e).strip().splitlines()[-1]}") from None
+
+
+def build_replica_state(args):
+    """`build_state` in a replica: a model given as a Hugging Face id is fetched into this node's cache."""
+    from dgemma.model.hub import is_hub_id, resolve_model
+
+    typed = getattr(args, "model_name", args.model)
+    if not Path(args.model).is_dir() and is_hub_id(typed):
+        args.model = str(resolve_model(typed, args.revision))
+    return build_state(args)
+
+
+def _gpus_per_replica(args) -> float:
+    if args.gpus_per_replica is not None:
+        return args.gpus_per_replica
+    if args.device.startswith("cuda"):
+        return 1
+    if args.device == "auto":
+        import torch
+
+        return 1 if torch.cuda.is_available() else 0
+    return 0
+
+
+def _free_port(host: str) -> int:
+    """A port free on this machine now, for Ray Serve's proxy (which cannot report one it picked itself)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_state(args):
+    """The model loaded, its engine worker and codec: everything one server (or one replica) serves from."""
+    from dgemma.chat.codec import TextCodec
+    from dgemma.serving.state import ServerState
+    from dgemma.serving.worker import EngineWorker
+    from dgemma.structured import set_disk_cache
+    from dgemma.tasks import read_task, task_codec
+    from dgemma.tokenizer import Tokenizer
+
+    folder = Path(args.model)
+    task = read_task(folder)
+    model = load_from_args(args)
+    vocab_size = model.config.vocab_size
+    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
+    images = _image_reader(args, folder, model) if task == "text" else None
+    set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
+    worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    if model.decoder_compiled:
+        print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
+        worker.engine.warm_up()
+    if args.prebuild_json_object and codec.task == "text":
+        _prebuild_json_object(codec)
+    return ServerState(worker=worker, codec=codec, model_name=served_name(args), sampling=model.sampling_config,
+                       canvas_length=model.config.canvas_length, api_key=args.api_key or None,
+                       max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images)
+
+
+def served_name(args) -> str:
+    from dgemma.model.hub import is_hub_id
+
+    typed = getattr(args, "model_name", args.model)  # the id, when the folder came from the Hugging Face cache
+    return args.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists()
+                                      else Path(args.model).resolve().name)
+
+
+def _announce(args, what: str, port: int):
+    """The line clients and scripts wait for: the served name, what serves it, and the address."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print("dgemma serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
+    print(f"dgemma serve: {served_name(args)} ({what}, batch {args.max_batch}, queue {args.max_queue}) "
+          f"on http://{host}:{port}", flush=True)
 
 
 def _default_automaton_cache() -> str:

@@ -1,0 +1,122 @@
+"""`dgemma serve --replicas 2` on Ray Serve, driven by the official openai client: requests spread over both
+replicas, answers equal per seed to one `dgemma serve`, and a replica killed mid-run costs no request.
+
+Everything runs as real processes: the Ray instance the command starts on this machine (its GCS, raylet,
+Serve controller and HTTP proxy), the two replica processes, and a one-process `dgemma serve` to compare with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.test_server import MODEL, ServerProcess
+
+pytest.importorskip("ray.serve", reason="the ray extra: pip install 'dgemma[ray]'")
+
+
+def _replica_pids(root: int) -> list[int]:
+    """Ray Serve replica processes below `root` (the `dgemma serve` command: its private Ray instance)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(b"ray::ServeReplica"):
+            found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
+    """One seeded request (chat or completion, streamed or not, by seed): (its text, the replica that answered)."""
+    kind, stream = ("chat", "completion")[seed % 2], seed % 4 >= 2
+    common = dict(model=MODEL, max_tokens=48, seed=seed, stream=stream)
+    if kind == "chat":
+        raw = client.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": f"question {seed}"}], **common)
+    else:
+        raw = client.completions.with_raw_response.create(prompt=f"hello world {seed}", **common)
+    answer = raw.parse()
+    if stream:
+        text = "".join((c.choices[0].delta.content or "") if kind == "chat" else c.choices[0].text
+                       for c in answer if c.choices)
+    else:
+        text = answer.choices[0].message.content if kind == "chat" else answer.choices[0].text
+    return text, raw.headers.get("x-dgemma-replica")
+
+
+def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir):
+    cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(tiny_model_dir), "--replicas", "2", "--port", "0",
+           "--served-model-name", MODEL, "--automaton-cache", "none", "--max-batch", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DGEMMA_API_KEY": "", "RAY_DEDUP_LOGS": "0"}
+    ray_serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    single = ServerProcess(tiny_model_dir, "--max-batch", "4", api_key=None)  # starts while Ray starts
+    try:
+        expected = {seed: _ask(single.client(), seed)[0] for seed in range(20)}
+        single.stop_cleanly()
+        line = ray_serve.stdout.readline()  # "dgemma serve: tiny (2 replicas, ...) on http://127.0.0.1:PORT"
+        assert "(2 replicas, batch 4" in line, line + ray_serve.stderr.read()
+        url = line.rsplit(" on ", 1)[1].strip()
+        pids = _replica_pids(ray_serve.pid)
+        assert len(pids) == 2, pids
+
+        # 10 requests, 5 at a time: Ray Serve's router sends each to the replica with fewer in flight
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(5) as pool:
+            first = dict(zip(range(10), pool.map(lambda s: _ask(client, s), range(10))))
+        assert {seed: text for seed, (text, _) in first.items()} == {s: expected[s] for s in range(10)}
+        assert len({replica for _, replica in first.values()}) == 2, first
+
+        # 10 more; one replica is killed (SIGKILL) once two are answered. Requests it held fail with a 5xx
+        # or a broken connection, which the client retries (max_retries, with backoff) on the other replica.
+        retrying = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=4, timeout=60)
+        second, killed_at = {}, None
+        with ThreadPoolExecutor(5) as pool:
+            futures = {pool.submit(_ask, retrying, seed): seed for seed in range(10, 20)}
+            for future in as_completed(futures):
+                second[futures[future]] = future.result()
+                if killed_at is None and len(second) == 2:
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed_at = len(second)
+        assert killed_at == 2 and len(second) == 10
+        assert {seed: text for seed, (text, _) in second.items()} == {s: expected[s] for s in range(10, 20)}
+        assert not Path(f"/proc/{pids[0]}").exists() or b"ServeReplica" not in Path(
+            f"/proc/{pids[0]}/cmdline").read_bytes()
+    finally:
+        single.stop()
+        if ray_serve.poll() is None:
+            ray_serve.send_signal(signal.SIGTERM)  # the command stops Serve and its private Ray instance
+            try:
+                ray_serve.wait(60)
+            except subprocess.TimeoutExpired:
+                ray_serve.kill()
+                ray_serve.wait()
+    assert ray_serve.returncode == 0, ray_serve.stderr.read()[-3000:]
+
+
+def test_without_the_ray_extra_one_line_and_exit_2(tiny_model_dir, monkeypatch, capsys):
+    from dgemma.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets when ray is not installed
+    assert main(["serve", "--model", str(tiny_model_dir), "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'dgemma[ray]'" in err, err
