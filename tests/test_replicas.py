@@ -3,6 +3,7 @@ replicas, answers equal per seed to one `dgemma serve`, and a replica killed mid
 
 Everything runs as real processes: the Ray instance the command starts on this machine (its GCS, raylet,
 Serve controller and HTTP proxy), the two replica processes, and a one-process `dgemma serve` to compare with.
+Ray is a test dependency (the [test] extra holds ray[serve]): without it the first test fails, not skips.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import openai
-import pytest
 
 from tests.test_server import MODEL, ServerProcess
-
-pytest.importorskip("ray.serve", reason="the ray extra: pip install 'dgemma[ray]'")
 
 
 def _replica_pids(root: int) -> list[int]:
@@ -49,7 +47,7 @@ def _replica_pids(root: int) -> list[int]:
 def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
     """One seeded request (chat or completion, streamed or not, by seed): (its text, the replica that answered)."""
     kind, stream = ("chat", "completion")[seed % 2], seed % 4 >= 2
-    common = dict(model=MODEL, max_tokens=48, seed=seed, stream=stream)
+    common = {"model": MODEL, "max_tokens": 48, "seed": seed, "stream": stream}
     if kind == "chat":
         raw = client.chat.completions.with_raw_response.create(
             messages=[{"role": "user", "content": f"question {seed}"}], **common)
@@ -64,17 +62,30 @@ def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
     return text, raw.headers.get("x-dgemma-replica")
 
 
-def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir):
+def _announced(proc: subprocess.Popen, out: Path, err: Path, timeout: float) -> str:
+    """The command's "dgemma serve: ... on http://HOST:PORT" line, once written (Ray writes lines of its own)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in out.read_text().splitlines():
+            if line.startswith("dgemma serve: ") and " on http://" in line:
+                return line
+        time.sleep(0.2)
+    raise AssertionError(f"no address from the command (exit {proc.poll()}): {err.read_text()[-3000:]}")
+
+
+def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(tiny_model_dir), "--replicas", "2", "--port", "0",
            "--served-model-name", MODEL, "--automaton-cache", "none", "--max-batch", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DGEMMA_API_KEY": "", "RAY_DEDUP_LOGS": "0"}
-    ray_serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"  # files: Ray's logs must never fill a pipe and block it
+    with out.open("w") as stdout, err.open("w") as stderr:
+        ray_serve = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
     single = ServerProcess(tiny_model_dir, "--max-batch", "4", api_key=None)  # starts while Ray starts
     try:
         expected = {seed: _ask(single.client(), seed)[0] for seed in range(20)}
         single.stop_cleanly()
-        line = ray_serve.stdout.readline()  # "dgemma serve: tiny (2 replicas, ...) on http://127.0.0.1:PORT"
-        assert "(2 replicas, batch 4" in line, line + ray_serve.stderr.read()
+        line = _announced(ray_serve, out, err, timeout=180)
+        assert "(2 replicas, batch 4" in line, line
         url = line.rsplit(" on ", 1)[1].strip()
         pids = _replica_pids(ray_serve.pid)
         assert len(pids) == 2, pids
@@ -110,7 +121,7 @@ def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir):
             except subprocess.TimeoutExpired:
                 ray_serve.kill()
                 ray_serve.wait()
-    assert ray_serve.returncode == 0, ray_serve.stderr.read()[-3000:]
+    assert ray_serve.returncode == 0, err.read_text()[-3000:]
 
 
 def test_without_the_ray_extra_one_line_and_exit_2(tiny_model_dir, monkeypatch, capsys):

@@ -143,8 +143,16 @@ def _run_replicas(args):
     try:
         return replicas.serve_replicas(functools.partial(build_replica_state, args), plan, host=args.host,
                                        port=port, announce=announce, local=local)
-    except RuntimeError as e:  # Ray Serve's DeploymentFailed: the replicas' own errors are in the message
-        raise UsageError(f"the replicas did not start: {str(e).strip().splitlines()[-1]}") from None
+    except RuntimeError as e:  # Ray Serve gave up on the replicas (3 failed starts): say what they raised
+        raise UsageError(f"the replicas did not start: {_last_error_line(str(e))}") from None
+
+
+def _last_error_line(message: str) -> str:
+    """'TokenizerError: no tokenizer in DIR ...' from a message that holds a replica's traceback, else its last line."""
+    import re
+
+    errors = re.findall(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception): .+)$", message, flags=re.MULTILINE)
+    return errors[-1] if errors else message.strip().splitlines()[-1]
 
 
 def build_replica_state(args):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,23 +86,29 @@ def start_ray(address: str | None) -> dict:
 
 def serve_replicas(build_state: Callable[[], ServerState], plan: ReplicaPlan, *, host: str, port: int,
                    announce: Callable[[], None], local: bool) -> int:
-    """Deploy `plan.replicas` replicas behind one proxy on host:port and serve until SIGINT or SIGTERM."""
+    """Deploy `plan.replicas` replicas behind one proxy on host:port and serve until SIGINT or SIGTERM.
+    `local`: Serve and Ray were started for this command, and stop with it."""
     quiet = {"log_level": "WARNING", "enable_access_log": False}  # replicas' warnings still reach stderr
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=quiet)
     deployment = DGemmaReplica.options(
         num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
         ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=quiet)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    def interrupt(*_):  # SIGTERM ends the command as Ctrl-C does, also while the replicas start
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         # returns once every replica has loaded its model and passed its first health check
         serve.run(deployment.bind(build_state, max(1, int(plan.cpus))), name=APP_NAME, route_prefix="/",
                   blocking=False)
         announce()
-        while not stop.wait(1.0):
-            pass
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:  # the replicas failed to start: their error is in the deployment's status
+        raise RuntimeError(f"{e}\n{_deployment_messages()}") from None
     finally:
         if local:
             serve.shutdown()
@@ -110,3 +116,12 @@ def serve_replicas(build_state: Callable[[], ServerState], plan: ReplicaPlan, *,
         else:  # the cluster's Serve stays up for its other applications
             serve.delete(APP_NAME)
     return 0
+
+
+def _deployment_messages() -> str:
+    """What Ray Serve says of the deployment's replicas (a failed constructor's traceback among it)."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception as e:  # noqa: BLE001  (a status that cannot be read adds nothing to the error)
+        return f"(no status: {e})"
+    return "" if app is None else "\n".join(d.message for d in app.deployments.values() if d.message)
