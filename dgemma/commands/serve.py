@@ -131,7 +131,7 @@ def _run_replicas(args):
         cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
     plan = replicas.ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(args),
                                 max_ongoing=args.max_batch + args.max_queue)
-    port = args.port or _free_port(args.host)
+    port = _port_for_ray(args.host, args.port)
     resources = replicas.start_ray(args.ray_address)
     for name, each in (("CPU", plan.cpus), ("GPU", plan.gpus)):
         if count * each > resources.get(name, 0):
@@ -177,11 +177,15 @@ def _gpus_per_replica(args) -> float:
     return 0
 
 
-def _free_port(host: str) -> int:
-    """A port free on this machine now, for Ray Serve's proxy (which cannot report one it picked itself)."""
+def _port_for_ray(host: str, port: int) -> int:
+    """`port` if it is free on this machine (0: a free one), for Ray Serve's proxy, which cannot report a port it
+    picked itself and fails in its own process when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         return sock.getsockname()[1]
 
 
