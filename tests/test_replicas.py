@@ -62,13 +62,13 @@ def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
     return text, raw.headers.get("x-dgemma-replica")
 
 
-def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 4) -> tuple[str, str | None]:
-    """`_ask`, sent again after a broken connection or a 5xx, as a client of a replicated server should: the
-    openai client retries those itself, except a stream that broke after it began (the seed makes the second
-    answer the same)."""
+def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 4) -> tuple[str, int]:
+    """`_ask`, sent again after a broken connection or a 5xx, as a client of replicas should. The openai client's
+    max_retries would do it for all but a stream that broke after it began; here the test does it for all.
+    Returns the text and how many times it was sent again."""
     for attempt in range(attempts):
         try:
-            return _ask(client, seed)
+            return _ask(client, seed)[0], attempt
         except (openai.APIConnectionError, openai.InternalServerError):
             if attempt == attempts - 1:
                 raise
@@ -123,6 +123,7 @@ def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir, tm
                     killed_at = len(second)
         assert killed_at == 2 and len(second) == 10
         assert {seed: text for seed, (text, _) in second.items()} == {s: expected[s] for s in range(10, 20)}
+        print(f"requests sent again after the kill: {sum(again for _, again in second.values())}")
         assert not Path(f"/proc/{pids[0]}").exists() or b"ServeReplica" not in Path(
             f"/proc/{pids[0]}/cmdline").read_bytes()
     finally:
