@@ -48,15 +48,15 @@ def add_arguments(p):
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level ('info' logs every request)")
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
-    g.add_argument("--replicas", type=positive_int, default=None,
+    g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="serve with N whole engines (each its own process, model and batch) behind one endpoint")
     g.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                    help="the Ray cluster to deploy on (`ray start --head` prints it; 'auto': the one on this "
                         "machine); default: a private Ray instance on this machine, stopped with the server")
-    g.add_argument("--cpus-per-replica", type=non_negative_float, default=None,
+    g.add_argument("--cpus-per-replica", type=non_negative_float, default=None, metavar="N",
                    help="Ray CPUs each replica reserves, also its torch threads (default: on this machine its "
                         "cores shared out among the replicas; on a cluster 1)")
-    g.add_argument("--gpus-per-replica", type=non_negative_float, default=None,
+    g.add_argument("--gpus-per-replica", type=non_negative_float, default=None, metavar="N",
                    help="GPUs each replica reserves (default 1 when --device is cuda, or auto on a machine "
                         "with CUDA; else 0)")
 
