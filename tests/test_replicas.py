@@ -62,7 +62,7 @@ def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
     return text, raw.headers.get("x-dgemma-replica")
 
 
-def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 4) -> tuple[str, int]:
+def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 6) -> tuple[str, int]:
     """`_ask`, sent again after a broken connection or a 5xx, as a client of replicas should. The openai client's
     max_retries would do it for all but a stream that broke after it began; here the test does it for all.
     Returns the text and how many times it was sent again."""
@@ -72,7 +72,7 @@ def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 4) -> tuple[str
         except (openai.APIConnectionError, openai.InternalServerError):
             if attempt == attempts - 1:
                 raise
-            time.sleep(0.5)
+            time.sleep(min(4.0, 0.5 * 2**attempt))  # until Ray Serve's router has dropped the dead replica
     raise AssertionError("unreachable")
 
 
