@@ -3,6 +3,7 @@ N replicas of it behind one endpoint on Ray Serve (--replicas)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -109,9 +110,6 @@ def _check_arguments(args):
 
 def _run_replicas(args):
     """`--replicas N`: N replicas of this server on Ray Serve (dgemma/serving/replicas.py)."""
-    import functools
-    import os
-
     try:
         import ray  # noqa: F401  (the extra's presence, checked before anything is loaded)
     except ModuleNotFoundError as e:
@@ -124,13 +122,8 @@ def _run_replicas(args):
     except ImportError as e:  # ray without its serve extra
         raise UsageError(f"Ray Serve does not import ({e}): pip install 'dgemma[ray]'") from None
     _check_arguments(args)
-    count = args.replicas or 1
-    local = args.ray_address is None
-    cpus = args.cpus_per_replica
-    if cpus is None:
-        cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
-    plan = replicas.ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(args),
-                                max_ongoing=args.max_batch + args.max_queue)
+    count, local = args.replicas or 1, args.ray_address is None
+    plan = _replica_plan(args, replicas, local)
     port = _port_for_ray(args.host, args.port)
     resources = replicas.start_ray(args.ray_address)
     for name, each in (("CPU", plan.cpus), ("GPU", plan.gpus)):
@@ -145,6 +138,38 @@ def _run_replicas(args):
                                        port=port, announce=announce, local=local)
     except RuntimeError as e:  # Ray Serve gave up on the replicas (3 failed starts): say what they raised
         raise UsageError(f"the replicas did not start: {_last_error_line(str(e))}") from None
+
+
+def _replica_plan(args, replicas, local: bool):
+    import os
+
+    count = args.replicas or 1
+    cpus = args.cpus_per_replica
+    if cpus is None:
+        cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
+    return replicas.ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(args),
+                                max_ongoing=args.max_batch + args.max_queue)
+
+
+def ray_app(flags: dict):
+    """Ray Serve's application builder, for Ray's own tools: `serve run dgemma.commands.serve:ray_app
+    model=DIR replicas=2 quantize=int8` on a running cluster, or a `serve deploy` config whose `args` are
+    these flags without their dashes. Ray's tools then own the HTTP address and the application's life."""
+    import argparse
+
+    from dgemma.model.hub import resolve_model
+    from dgemma.serving import replicas
+
+    parser = argparse.ArgumentParser(prog="ray_app", exit_on_error=False)
+    add_arguments(parser)
+    argv = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if value is True or str(value).lower() == "true" else [flag, str(value)]
+    args = parser.parse_args(argv)
+    args.model_name, args.model = args.model, str(resolve_model(args.model, args.revision))
+    _check_arguments(args)
+    return replicas.application(functools.partial(build_replica_state, args), _replica_plan(args, replicas, False))
 
 
 def _last_error_line(message: str) -> str:

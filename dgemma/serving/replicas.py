@@ -84,24 +84,31 @@ def start_ray(address: str | None) -> dict:
     return ray.cluster_resources()
 
 
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # the replicas' warnings and errors still reach stderr
+
+
+def application(build_state: Callable[[], ServerState], plan: ReplicaPlan):
+    """The replicas as a Ray Serve application, for `serve.run` (this command) or Ray's `serve run`/`serve deploy`."""
+    deployment = DGemmaReplica.options(
+        num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
+        ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=QUIET)
+    return deployment.bind(build_state, max(1, int(plan.cpus)))
+
+
 def serve_replicas(build_state: Callable[[], ServerState], plan: ReplicaPlan, *, host: str, port: int,
                    announce: Callable[[], None], local: bool) -> int:
     """Deploy `plan.replicas` replicas behind one proxy on host:port and serve until SIGINT or SIGTERM.
     `local`: Serve and Ray were started for this command, and stop with it."""
-    quiet = {"log_level": "WARNING", "enable_access_log": False}  # replicas' warnings still reach stderr
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=quiet)
-    deployment = DGemmaReplica.options(
-        num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
-        ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=quiet)
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=QUIET)
+
     def interrupt(*_):  # SIGTERM ends the command as Ctrl-C does, also while the replicas start
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
         # returns once every replica has loaded its model and passed its first health check
-        serve.run(deployment.bind(build_state, max(1, int(plan.cpus))), name=APP_NAME, route_prefix="/",
-                  blocking=False)
+        serve.run(application(build_state, plan), name=APP_NAME, route_prefix="/", blocking=False)
         announce()
         while True:
             time.sleep(3600)
