@@ -164,8 +164,11 @@ def ray_app(flags: dict):
     add_arguments(parser)
     argv = []
     for name, value in flags.items():
-        flag = "--" + name.replace("_", "-")
-        argv += [flag] if value is True or str(value).lower() == "true" else [flag, str(value)]
+        flag, text = "--" + name.replace("_", "-"), str(value).lower()
+        if text in ("true", "false"):  # a switch: given or not
+            argv += [flag] if text == "true" else []
+        else:
+            argv += [flag, str(value)]
     args = parser.parse_args(argv)
     args.model_name, args.model = args.model, str(resolve_model(args.model, args.revision))
     _check_arguments(args)
