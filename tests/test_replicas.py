@@ -111,17 +111,17 @@ def test_two_replicas_answer_as_one_server_and_survive_a_kill(tiny_model_dir, tm
         assert {seed: text for seed, (text, _) in first.items()} == {s: expected[s] for s in range(10)}
         assert len({replica for _, replica in first.values()}) == 2, first
 
-        # 10 more; one replica is killed (SIGKILL) once two are answered. Requests it held fail with a 5xx
+        # 10 more; one replica is killed (SIGKILL) once the first is answered, with four still in flight. Requests it held fail with a 5xx
         # or a broken connection (a stream mid-way), which the client sends again: the other replica answers.
         second, killed_at = {}, None
         with ThreadPoolExecutor(5) as pool:
             futures = {pool.submit(_ask_again, client, seed): seed for seed in range(10, 20)}
             for future in as_completed(futures):
                 second[futures[future]] = future.result()
-                if killed_at is None and len(second) == 2:
+                if killed_at is None:
                     os.kill(pids[0], signal.SIGKILL)
                     killed_at = len(second)
-        assert killed_at == 2 and len(second) == 10
+        assert killed_at == 1 and len(second) == 10
         assert {seed: text for seed, (text, _) in second.items()} == {s: expected[s] for s in range(10, 20)}
         print(f"requests sent again after the kill: {sum(again for _, again in second.values())}")
         assert not Path(f"/proc/{pids[0]}").exists() or b"ServeReplica" not in Path(
