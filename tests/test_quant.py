@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import dgemma
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
-from dgemma.model import CheckpointError, quant
+from dgemma.model import CheckpointError, int8_compute, quant
 from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
                                 use_cpu_int4_kernel, weight_bytes)
 from dgemma.training.weights import meta_model
@@ -195,3 +195,77 @@ def test_quantised_experts_dequantise_once_per_layer_when_batched(monkeypatch):
     assert per_expert_calls[1] == 2 * (2 * layers) + 2 * linears - 3
     assert per_expert_calls[0] > per_expert_calls[1]
     assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+# -- integer compute (dgemma.model.int8_compute) ----------------------------------------------------------
+@pytest.mark.parametrize("fmt,dtype", [("int8", torch.float32), ("int4", torch.float32), ("int4", torch.bfloat16)])
+@torch.no_grad()
+def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monkeypatch, fmt, dtype):
+    """int8 activations x int8 weights against the same quantised model computed in float: mean cosine >= 0.995
+    and >= 98% of argmaxes equal, for the encoder, a denoising step, and one fed self-conditioning (the int8
+    soft embedding). int4 weights are widened whatever the rows here (the tiny model's products are short),
+    from our layout (fp32) and from the int4 kernel's (bf16)."""
+    monkeypatch.setattr(int8_compute, "MIN_ROWS_TO_WIDEN", 1)
+    monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
+    floating = dgemma.load_model(trained_tiny, dtype=dtype, quantize=fmt)
+    integer = copy.deepcopy(floating)
+    assert int8_compute.enable(integer, "on") and not int8_compute.enable(copy.deepcopy(floating), "off")
+    assert integer.layers[0].experts.kernel_layout == (dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    seq = (torch.randint(0, 128, (8, 1), generator=g) + torch.randint(1, 5, (8, 1), generator=g) * torch.arange(24)) % 128
+    noisy = torch.where(torch.rand(8, 16, generator=g) < 0.5, torch.randint(0, 128, (8, 16), generator=g), seq[:, 8:])
+    outputs, probs = [], None
+    for model in (floating, integer):
+        cache = model.new_cache(8, 64)
+        encoded, step = model.encode(seq[:, :8], cache), model.denoise(noisy, cache)
+        probs = step.softmax(-1) if probs is None else probs  # both fed the float model's last step
+        fed = model.denoise(noisy, cache, self_conditioning_probs=probs)
+        outputs.append(torch.cat([encoded, step, fed], dim=1).float().flatten(0, 1))  # 320 positions
+    cos = F.cosine_similarity(*outputs, dim=-1)
+    agree = (outputs[0].argmax(-1) == outputs[1].argmax(-1)).float().mean()
+    assert cos.mean() >= 0.995 and agree >= 0.98, (cos.mean(), agree)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_int4_codes_widen_to_int8_against_channel_scales(kernel):
+    """Widened int4 codes times the channel scales are the dequantised weights to within half a channel
+    step plus the fixed-point ratio's error (8 codes x half of 1/256), from our layout and from the int4
+    kernel's."""
+    w = torch.randn(128, 256) * torch.rand(128, 1)
+    q, scales = quantize_tensor(w, "int4")
+    dense = dequantize_tensor(q, scales, "int4", torch.float32)  # (N, K)
+    if kernel:  # its scales are bf16
+        dense = dequantize_tensor(q, scales.to(torch.bfloat16).float(), "int4", torch.float32)
+        q, scales = quant._to_kernel_layout(q, scales, torch.bfloat16)
+    widener = int8_compute.Int4Widener(scales, kernel)
+    codes = widener.widen(q)  # (K, N)
+    assert codes.dtype == torch.int8 and codes.shape == (256, 128) and codes.abs().max() <= 127
+    back = codes.float().t() * widener.channel()[:, None]
+    assert ((back - dense).abs() <= widener.channel()[:, None] * (0.5 + 8 * 0.5 / 256) * 1.001).all()
+
+
+def test_int8_products_stay_exact_past_the_int32_range(monkeypatch):
+    """Products longer than MAX_EXACT_K are summed a block at a time in int32 (a 262k vocabulary against
+    127 x 127 codes would overflow int32 in one): the soft embedding equals its float form up to the
+    activations' rounding, with the block made small here."""
+    monkeypatch.setattr(int8_compute, "MAX_EXACT_K", 96)
+    table = torch.randn(1000, 32)
+    probs = torch.randn(7, 1000).mul(3).softmax(-1)
+    int8 = int8_compute.Int8Table(table)
+    exact = probs @ (int8.codes.float() * int8.scale[:, None])
+    assert F.cosine_similarity(int8.soft_embedding(probs, torch.float32), exact, dim=-1).min() > 0.999
+    assert F.cosine_similarity(int8.logits(torch.randn(5, 32)), torch.randn(5, 32) @ table.t(), dim=-1).shape == (5,)
+
+
+def test_int8_compute_applies_to_quantised_cpu_models_only():
+    model = _tiny_quantised("int8", torch.float32)
+    assert not int8_compute.enable(dgemma.DiffusionGemma(dgemma.get_preset("tiny")), "on")  # float: nothing to do
+    assert not int8_compute.enable(model, "off") and model.int8_table is None
+    assert int8_compute.enable(model, "auto") == int8_compute.cpu_has_int8_dot()
+    with pytest.raises(ValueError):
+        int8_compute.resolve("sometimes", model)
+    # int8 weights were requantised in place to one scale per channel: the float path reads the same weights
+    linear = model.layers[0].mlp.gate_proj
+    if int8_compute.enable(model, "on"):
+        assert (linear.scales == linear.scales[:, :1]).all()
+        assert torch.equal(linear.int8, linear.scales[:, 0].float())

@@ -66,7 +66,26 @@ def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | 
                    help="weights and activations (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation applied while loading")
+    add_int8_compute_argument(p)
     add_compile_arguments(p, by_default=compile_by_default)
+
+
+def add_int8_compute_argument(p):
+    p.add_argument("--cpu-int8-compute", choices=["auto", "on", "off"], default="auto",
+                   help="quantised models on a CPU: multiply int8 activations by int8 weights (auto, the default: "
+                        "where the CPU has int8 dot products, VNNI or AMX; on: any CPU; off: dequantised or int4 "
+                        "weights against float activations, as on a GPU)")
+
+
+def apply_int8_compute(args, model):
+    """`--cpu-int8-compute` on a loaded model (before compiling); a bad combination is a usage error."""
+    from dgemma.model import int8_compute
+
+    try:
+        int8_compute.enable(model, getattr(args, "cpu_int8_compute", "auto"))
+    except ValueError as e:
+        raise UsageError(f"--cpu-int8-compute: {e}") from None
+    return model
 
 
 # `--compile-mode auto`'s choice and its cost, for the help texts (dgemma/model/compilation.py says why)
@@ -175,7 +194,7 @@ def load_from_args(args):
 
     device, dtype = resolve_device_dtype(args)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
-    return maybe_compile(args, model)
+    return maybe_compile(args, apply_int8_compute(args, model))
 
 
 def read_prompt(text: str | None) -> str:

@@ -12,7 +12,9 @@ import sys
 from dgemma.commands._common import (
     UsageError,
     add_compile_arguments,
+    add_int8_compute_argument,
     add_revision_argument,
+    apply_int8_compute,
     compile_mode,
     plot_file,
     wants_compile,
@@ -35,6 +37,7 @@ def add_arguments(p):
     p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
                    help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    add_int8_compute_argument(p)
     add_compile_arguments(p, by_default=True)
     p.add_argument("--with-eager", action="store_true",
                    help="also time the eager engine (before compiling), beside the same comparisons")
@@ -84,6 +87,7 @@ def run(args):
     device, dtype = _resolve(args)
     torch.manual_seed(args.seed)
     model, name = _model(args, device, dtype)
+    apply_int8_compute(args, model)
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
@@ -149,6 +153,7 @@ def run(args):
         _startup_table(startup)
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
+    result["cpu_int8_compute"] = model.int8_table is not None
     result["startup"] = startup
     if tokens_check is not None:
         result["tokens_check"] = tokens_check

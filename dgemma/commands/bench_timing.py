@@ -292,6 +292,8 @@ else:
     if a["quantize"]:
         from dgemma.model.quant import quantize_model
         quantize_model(model, a["quantize"])
+from dgemma.model import int8_compute
+int8_compute.enable(model, a["cpu_int8_compute"])
 built = time.perf_counter()
 if a["compile"]:
     model.compile_decoder(a["mode"])
@@ -318,7 +320,7 @@ def measure_startup(args, device: str, dtype, mode: str, new_tokens: int) -> dic
 
     spec = dict(threads=torch.get_num_threads(), seed=args.seed, dtype=str(dtype).replace("torch.", ""),
                 model=args.model, config=args.config, device=device, quantize=args.quantize, mode=mode,
-                steps=args.steps, prompt_len=args.prompt_len)
+                cpu_int8_compute=args.cpu_int8_compute, steps=args.steps, prompt_len=args.prompt_len)
     out = {}
     with tempfile.TemporaryDirectory(prefix="dgemma-compile-cache-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)

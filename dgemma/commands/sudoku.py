@@ -11,7 +11,9 @@ from dgemma.commands._common import (
     UsageError,
     add_compile_arguments,
     add_denoising_arguments,
+    add_int8_compute_argument,
     add_revision_argument,
+    apply_int8_compute,
     denoising_overrides,
     maybe_compile,
     plot_file,
@@ -79,6 +81,7 @@ def _model_arguments(p, *, compile_by_default: bool | str):
     add_denoising_arguments(p.add_argument_group("sampling (defaults from the model's generation_config.json)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    add_int8_compute_argument(p)
     add_compile_arguments(p, by_default=compile_by_default)
 
 
@@ -145,7 +148,7 @@ def _load(args):
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")
-    return maybe_compile(args, model)
+    return maybe_compile(args, apply_int8_compute(args, model))
 
 
 def _sampling(model, args):

@@ -223,6 +223,7 @@ class DiffusionGemma(nn.Module):
         self.hf_config: dict | None = None  # the config.json we were loaded from, kept for saving
         self.hf_generation_config: dict | None = None
         self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.model.quant
+        self.int8_table = None  # the table's int8 codes once integer compute is on (dgemma.model.int8_compute)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -317,14 +318,16 @@ class DiffusionGemma(nn.Module):
         if torch.is_grad_enabled():
             logits = F.linear(normed, weight).float()
             return torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap
-        if torch.compiler.is_compiling() or normed.dtype == torch.float32:
-            logits = F.linear(normed, weight).float()
+        table = self.int8_table
+        if torch.compiler.is_compiling() or (normed.dtype == torch.float32 and table is None):
+            logits = table.logits(normed) if table is not None else F.linear(normed, weight).float()
         else:
             flat = normed.reshape(-1, normed.shape[-1])
             logits = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=flat.device)
             rows = device_vocab_chunk_rows(flat.shape[0], weight.shape[0], flat.device, flat.element_size())
             for a in range(0, flat.shape[0], rows):
-                logits[a : a + rows] = F.linear(flat[a : a + rows], weight)
+                block = flat[a : a + rows]
+                logits[a : a + rows] = table.logits(block) if table is not None else F.linear(block, weight)
             logits = logits.view(*normed.shape[:-1], weight.shape[0])
         return logits.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
 
@@ -417,6 +420,8 @@ class DiffusionGemma(nn.Module):
 
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """softmax(previous logits) (B, L, V), as the sampler leaves it -> (B, L, H)."""
+        if self.int8_table is not None and not torch.is_grad_enabled():
+            return self.int8_table.soft_embedding(probs, self.dtype) * self.embed_scale()
         return (probs.to(self.dtype) @ self.embed_tokens.weight) * self.embed_scale()
 
     def denoise(

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dgemma.model import int8_compute
 from dgemma.model.experts import Experts
 from dgemma.model.layers import gated_gelu
 
@@ -145,6 +146,7 @@ class QuantLinear(nn.Module):
         self.qweight, self.scales = quantize_tensor(weight, self.fmt)
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
+    int8 = None  # what integer compute needs once `int8_compute.enable` ran: channel scales or an Int4Widener
 
     @property
     def weight(self) -> torch.Tensor:
@@ -153,6 +155,10 @@ class QuantLinear(nn.Module):
         return dequantize_tensor(self.qweight, self.scales, self.fmt, self.compute_dtype)
 
     def forward(self, x):
+        if self.int8 is not None:
+            out = int8_compute.linear(self, x)
+            if out is not None:
+                return out
         if self.kernel_layout and x.dtype == self.compute_dtype:
             flat = x.reshape(-1, self.in_features).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP_SIZE["int4"], self.scales)
@@ -200,20 +206,33 @@ class QuantExperts(Experts):
         return self.gate_up_proj_q
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
+    int8 = None  # {"gate_up_proj": ..., "down_proj": ...} once `int8_compute.enable` ran
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
-        if not (self.kernel_layout and grouped_x.dtype == self.compute_dtype):
+        if self.int8 is not None:
+            return int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
+        if not self._kernel_runs(grouped_x):
             return super()._per_expert(grouped_x, counts)
-        mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, GROUP_SIZE["int4"]
         sorted_out = torch.empty_like(grouped_x)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            hidden = gated_gelu(mm(grouped_x[start : start + n], self.gate_up_proj_q[e], group, self.gate_up_proj_scales[e]))
-            sorted_out[start : start + n] = mm(hidden.contiguous(), self.down_proj_q[e], group, self.down_proj_scales[e])
+            sorted_out[start : start + n] = self._one_expert(e, grouped_x[start : start + n])
             start += n
         return sorted_out
+
+    def _kernel_runs(self, x: torch.Tensor) -> bool:
+        return self.kernel_layout and x.dtype == self.compute_dtype
+
+    def _one_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e on its rows (n, H): torch's int4 kernel where it runs, else dequantised weights."""
+        if not self._kernel_runs(rows):
+            gate_up, down = self.expert_weights(e)
+            return F.linear(gated_gelu(F.linear(rows, gate_up)), down)
+        mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, GROUP_SIZE["int4"]
+        hidden = gated_gelu(mm(rows, self.gate_up_proj_q[e], group, self.gate_up_proj_scales[e]))
+        return mm(hidden.contiguous(), self.down_proj_q[e], group, self.down_proj_scales[e])
 
     def expert_weights(self, e: int):
         if self.kernel_layout:

@@ -1,0 +1,256 @@
+"""Integer compute for quantised models on a CPU: int8 activations x int8 weights, int32 accumulation.
+
+A canvas step multiplies 256 rows by every weight, so it is bound by arithmetic, and a CPU with VNNI does
+int8 dot products several times faster than bf16 or fp32 ones (2 cores, a 256 x 2816 x 2112 product:
+int8 x int8 ~4-6x the weight-only int4 kernel, ~3.5x bf16: benchmarks/README.md). Every matrix product of
+a quantised model then runs as
+
+    x (M, K) float --per row, symmetric--> codes (M, K) int8, scale (M, 1)
+    torch._int_mm(codes, weight codes (K, N) int8) -> (M, N) int32, exact
+    out = int32 * row scale * weight channel scale (N,)
+
+which needs one scale per output channel of the weight, where the stored formats keep one per group of
+32 / 64 inputs (`dgemma.model.quant`). So:
+  int8 models -- each weight is requantised once, in place, to one scale per channel (the codes keep their
+                 bytes; the group scales are all set to the channel's, so the model still reads, saves and
+                 dequantises as before): every row count runs in int8;
+  int4 models -- the int4 codes stay; a weight (a dense layer, one expert) is widened to channel int8 codes
+                 when it runs on enough rows to repay that (`widening_pays`), never the whole model at once.
+                 Otherwise the int4 path runs (torch's int4 kernel, or dequantising);
+  the tied embedding table (LM head, self-conditioning soft embedding) -- int8 codes with one scale per
+                 token row, beside the table (V x H bytes: 0.74 GB at the 26B shape, 8% of its int4 weights).
+Attention itself, norms and the router stay in floating point.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+import torch.nn as nn
+
+MODES = ("auto", "on", "off")
+
+# When an int4 weight is widened to int8 for one product: at least this many rows, and a weight of at least
+# this many elements. Calibrated with `python benchmarks/int8_compute.py threshold` (2 shared cores):
+# widening costs ~0.5-1 ns a weight in torch's elementwise ops, so it overtook torch's int4 kernel only at a
+# canvas's 256 rows on the 26B's weights (128 rows: 0.93x at 2816 x 704), and never on bench-20m's small
+# ones (256 x 256 at 256 rows: 0.59x); below that the int4 kernel runs.
+MIN_ROWS_TO_WIDEN = 256
+MIN_WEIGHTS_TO_WIDEN = 1 << 20
+# int32 accumulation stays exact while K * 127 * 127 < 2^31: longer products are summed a block at a time
+MAX_EXACT_K = 1 << 17
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_int8_dot() -> bool:
+    """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+def resolve(mode: str, model: nn.Module) -> bool:
+    """Whether integer compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
+    (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
+    if mode not in MODES:
+        raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "off" or not getattr(model, "quantization", None):
+        return False
+    if model.device.type != "cpu":
+        if mode == "on":
+            raise ValueError("int8 compute is a CPU path; this model is on " + model.device.type)
+        return False
+    return mode == "on" or cpu_has_int8_dot()
+
+
+def quantize_rows(x: torch.Tensor):
+    """x (M, K) float -> codes (M, K) int8 in -127..127 and scales (M, 1) fp32, x ≈ codes * scale."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30).div_(127.0)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float, weight codes (K, N) int8 (any strides), channel scales (N,) fp32 -> (..., N) in x's
+    dtype: x @ (weight_t * channel_scale), with x quantised per row."""
+    K, N = weight_t.shape
+    codes, scale = quantize_rows(x.reshape(-1, K))
+    if K <= MAX_EXACT_K:
+        acc = torch._int_mm(codes, weight_t).float()
+    else:
+        acc = sum(torch._int_mm(codes[:, a : a + MAX_EXACT_K].contiguous(), weight_t[a : a + MAX_EXACT_K]).float()
+                  for a in range(0, K, MAX_EXACT_K))
+    return acc.mul_(scale).mul_(channel_scale).to(x.dtype).view(*x.shape[:-1], N)
+
+
+# -- int8 weights: requantised in place to one scale per channel ---------------------------------------------
+@torch.no_grad()
+def to_channel_scales(q: torch.Tensor, scales: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """int8 codes (..., N, K) with group scales (..., N, G) -> in place: codes against one scale per row, every
+    group scale set to it (stored fp16, codes computed against what is stored). Returns the (..., N) fp32
+    channel scales. A chunk of rows at a time: fp32 temporaries of a few MB."""
+    K, G = q.shape[-1], scales.shape[-1]
+    rows_q, rows_s = q.view(-1, K), scales.view(-1, G)
+    for a in range(0, rows_q.shape[0], chunk_rows):
+        sq, ss = rows_q[a : a + chunk_rows], rows_s[a : a + chunk_rows]
+        w = sq.view(-1, G, K // G).float() * ss.float()[..., None]  # (n, G, K/G) the stored weights
+        channel = (w.abs().amax(dim=(1, 2)) / 127).clamp_(min=1e-8).to(torch.float16).float()  # (n,)
+        sq.copy_(torch.round(w.view(-1, K) / channel[:, None]).clamp_(-127, 127).to(torch.int8))
+        ss.copy_(channel[:, None].expand_as(ss))
+    return scales[..., 0].float()
+
+
+# -- int4 weights: widened to int8 one weight at a time --------------------------------------------------------
+class Int4Widener:
+    """Channel scales and fixed-point group ratios of an int4 weight, so that a call widens its codes to int8
+    against one scale per row: q8 = round(q4 * group scale / channel scale), as ((q4 * R + 128) >> 8) in int16
+    with R = round(256 * ratio) (ratio <= 127/8, so q4 * R stays within int16). Per weight: (N,) fp32 and
+    (N, G) int16, tiny beside the codes.
+
+    `kernel`: the codes are in the layout of torch's CPU int4 kernel: (N, K/2) bytes in blocks of 64 rows,
+    each block stored (K, 32) with byte [k, j] = rows j (low nibble) and j + 32 (high) of column k, codes
+    0..15 standing for -8..7; scales (G, N, 2) (scale, zero 0). Otherwise ours: (N, K/2) with columns 2c, 2c + 1
+    in the low / high nibble, scales (N, G)."""
+
+    def __init__(self, scales: torch.Tensor, kernel: bool):
+        group_scales = (scales[..., 0].transpose(-1, -2) if kernel else scales).float()  # (..., N, G)
+        self.kernel = kernel
+        self.channel_scale = group_scales.abs().amax(dim=-1).clamp_(min=1e-8) * (8 / 127)  # (..., N)
+        ratio = group_scales / self.channel_scale[..., None]
+        self.ratio = torch.round(ratio * 256).to(torch.int16)  # (..., N, G)
+        if kernel:  # laid out as the widened codes are, (G, 1, N)
+            self.ratio = self.ratio.transpose(-1, -2).unsqueeze(-2).contiguous()
+        else:
+            self.ratio = self.ratio.unsqueeze(-1).contiguous()  # (..., N, G, 1)
+
+    def widen(self, packed: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        """Codes (N, K/2) (of expert `index` when the weights are stacked) -> int8 codes as a (K, N) matrix
+        against `channel_scale` (a contiguous (K, N) tensor for the kernel layout, a (N, K) one transposed
+        for ours)."""
+        ratio = self.ratio if index is None else self.ratio[index]
+        N, half = packed.shape
+        K = half * 2
+        if self.kernel:
+            blocks = packed.view(N // 64, K, 32)
+            codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # (N/64, K, 64)
+            codes = codes.permute(1, 0, 2).reshape(K, N)
+            G = ratio.shape[0]
+            q4 = codes.to(torch.int16).sub_(8).view(G, K // G, N)
+        else:
+            codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # (N, K/2, 2)
+            G = ratio.shape[-2]
+            q4 = codes.to(torch.int16).sub_(8).view(N, G, K // G)
+        q8 = q4.mul_(ratio).add_(128).bitwise_right_shift_(8).to(torch.int8)
+        return q8.view(K, N) if self.kernel else q8.view(N, K).t()
+
+    def channel(self, index: int | None = None) -> torch.Tensor:
+        return self.channel_scale if index is None else self.channel_scale[index]
+
+
+# -- the embedding table: LM head and self-conditioning soft embedding ---------------------------------------
+class Int8Table:
+    """The tied (V, H) table as int8 codes with one scale per token row, beside the table itself."""
+
+    def __init__(self, table: torch.Tensor, chunk_rows: int = 8192):
+        V, H = table.shape
+        self.codes = torch.empty(V, H, dtype=torch.int8)
+        self.scale = torch.empty(V, dtype=torch.float32)
+        for a in range(0, V, chunk_rows):
+            self.codes[a : a + chunk_rows], s = quantize_rows(table[a : a + chunk_rows])
+            self.scale[a : a + chunk_rows] = s[:, 0]
+        self.ones = torch.ones(H)  # the soft embedding's channel scales: its scales sit on the probabilities
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (M, H) -> (M, V) fp32 = hidden @ table.T"""
+        return int8_matmul(hidden.float(), self.codes.t(), self.scale)
+
+    def soft_embedding(self, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """probs (..., V) -> (..., H) in `dtype` = probs @ table: the row scales move onto the probabilities
+        (the product runs along V), which are then quantised per row."""
+        weighted = probs.float() * self.scale
+        return int8_matmul(weighted, self.codes, self.ones).to(dtype)
+
+
+# -- switching a model over -------------------------------------------------------------------------------
+@torch.no_grad()
+def enable(model: nn.Module, mode: str = "auto") -> bool:
+    """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
+    Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load."""
+    if not resolve(mode, model):
+        return False
+    if getattr(model, "int8_table", None) is not None:
+        return True
+    for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
+        if hasattr(module, "int8") and hasattr(module, "qweight"):
+            module.int8 = _prepare(module, "qweight", "scales")
+        elif hasattr(module, "int8"):
+            module.int8 = {name: _prepare(module, f"{name}_q", f"{name}_scales")
+                           for name in ("gate_up_proj", "down_proj")}
+    model.int8_table = Int8Table(model.embed_tokens.weight)
+    return True
+
+
+def _prepare(module: nn.Module, codes_name: str, scales_name: str):
+    """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener."""
+    q, scales = getattr(module, codes_name), getattr(module, scales_name)
+    if module.fmt == "int8":
+        return to_channel_scales(q, scales)
+    return Int4Widener(scales, bool(module.kernel_layout))
+
+
+def widening_pays(rows: int, weights: int) -> bool:
+    """Whether widening an int4 weight of `weights` elements to int8 beats the int4 path for `rows` rows."""
+    return rows >= MIN_ROWS_TO_WIDEN and weights >= MIN_WEIGHTS_TO_WIDEN
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A QuantLinear's product in int8, or None where its own path is the faster (few rows on int4)."""
+    if isinstance(module.int8, torch.Tensor):  # int8 codes against channel scales
+        return int8_matmul(x, module.qweight.t(), module.int8)
+    if not widening_pays(x.numel() // x.shape[-1], module.qweight.numel() * 2):
+        return None
+    return int8_matmul(x, module.int8.widen(module.qweight), module.int8.channel())
+
+
+def experts(module: nn.Module, grouped_x: torch.Tensor, counts: list[int], activation, one_expert) -> torch.Tensor:
+    """A QuantExperts on its entries grouped by expert (rows sorted by expert, counts[e] rows each) -> (N*k, H).
+
+    The entries are quantised once for all experts, each expert's gate|up product is written into one int32
+    buffer, and the activation and the second quantisation run once over all of them: per expert only the two
+    integer products. Experts whose int4 weights would not repay their widening run
+    `one_expert(e, rows)` (the int4 kernel, or dequantised weights) instead (`widening_pays`)."""
+    gate_up, down = module.int8["gate_up_proj"], module.int8["down_proj"]
+    channel_codes = isinstance(gate_up, torch.Tensor)
+    codes, scale = quantize_rows(grouped_x)  # (R, H) int8, (R, 1)
+    two_i = module.gate_up_proj_q.shape[1]
+    acc = torch.zeros(grouped_x.shape[0], two_i, dtype=torch.int32)
+    row_scale = torch.zeros(grouped_x.shape[0], two_i)  # each row's channel scales: its expert's
+    spans, fallback, start = [], [], 0
+    for e, n in enumerate(counts):
+        if n and (channel_codes or widening_pays(n, module.gate_up_proj_q[e].numel() * 2)):
+            w = module.gate_up_proj_q[e].t() if channel_codes else gate_up.widen(module.gate_up_proj_q[e], e)
+            acc[start : start + n] = torch._int_mm(codes[start : start + n], w)
+            row_scale[start : start + n] = gate_up[e] if channel_codes else gate_up.channel(e)
+            spans.append((e, start, n))
+        elif n:
+            fallback.append((e, start, n))
+        start += n
+    hidden = activation(acc.float().mul_(scale).mul_(row_scale)).to(grouped_x.dtype)  # (R, I)
+    codes, scale = quantize_rows(hidden)
+    acc = torch.zeros(grouped_x.shape[0], grouped_x.shape[1], dtype=torch.int32)
+    row_scale = torch.zeros(grouped_x.shape[0], grouped_x.shape[1])
+    for e, start, n in spans:
+        w = module.down_proj_q[e].t() if channel_codes else down.widen(module.down_proj_q[e], e)
+        acc[start : start + n] = torch._int_mm(codes[start : start + n], w)
+        row_scale[start : start + n] = down[e] if channel_codes else down.channel(e)
+    out = acc.float().mul_(scale).mul_(row_scale).to(grouped_x.dtype)
+    for e, start, n in fallback:
+        out[start : start + n] = one_expert(e, grouped_x[start : start + n])
+    return out
