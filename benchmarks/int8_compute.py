@@ -53,8 +53,8 @@ def threshold(args) -> dict:
         for rows in (8, 16, 32, 64, 128, 256):
             x = torch.randn(rows, k, generator=g).bfloat16()
             t = best_of({
-                "int4_kernel": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zeros),
-                "widen_int8": lambda: int8_compute.int8_matmul(x, widener.widen(packed), widener.channel()),
+                "int4_kernel": lambda x=x, p=packed, s=scale_zeros: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, s),
+                "widen_int8": lambda x=x, p=packed, w=widener: int8_compute.int8_matmul(x, w.widen(p), w.channel()),
             }, args.repeats)
             out[f"{n}x{k}@{rows}"] = {name: round(s * 1e3, 3) for name, s in t.items()}
             print(f"  weight {n:5} x {k:5}, {rows:3} rows: int4 kernel {t['int4_kernel'] * 1e3:7.3f} ms, "
@@ -108,6 +108,7 @@ def layers(args) -> dict:
     L, H = config.canvas_length, config.hidden_size
     g = torch.Generator().manual_seed(1)
     x = torch.randn(L, H, generator=g).bfloat16()
+    heads = torch.randn(1, L, off.layers[0].self_attn.o_proj.in_features, generator=g).bfloat16()
     probs = torch.randn(1, L, config.vocab_size, generator=g).mul(3).softmax(-1)
     parts = {}
     with torch.no_grad():
@@ -115,18 +116,18 @@ def layers(args) -> dict:
             "experts_one_layer": lambda m: m.layers[0].experts(x, *m.layers[0].router(x)),
             "attention_projections_one_layer": lambda m: [getattr(m.layers[0].self_attn, p)(x[None]) for p in
                                                           ("q_proj", "k_proj", "v_proj")]
-            + [m.layers[0].self_attn.o_proj(torch.randn(1, L, m.layers[0].self_attn.o_proj.in_features).bfloat16())],
+            + [m.layers[0].self_attn.o_proj(heads)],
             "dense_mlp_one_layer": lambda m: m.layers[0].mlp(x[None]),
             "lm_head": lambda m: m.head(x[None]),
             "soft_embedding": lambda m: m.soft_embedding_from_probs(probs),
         }.items():
-            outputs = [fn(m) for m in (off, on)]
-            a, b = (torch.cat([t.flatten(0, -2) for t in o]) if isinstance(o, list) else o.reshape(-1, o.shape[-1])
-                    for o in outputs)
-            t = best_of({"off": lambda: fn(off), "on": lambda: fn(on)}, args.repeats)
-            cos = F.cosine_similarity(a.float(), b.float(), dim=-1)
+            pairs = list(zip(*[o if isinstance(o, list) else [o] for o in (fn(off), fn(on))]))
+            pairs = [(a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])) for a, b in pairs]
+            t = best_of({"off": lambda fn=fn: fn(off), "on": lambda fn=fn: fn(on)}, args.repeats)
+            cos = torch.cat([F.cosine_similarity(a, b, dim=-1) for a, b in pairs])
+            agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in pairs])
             parts[name] = {"off_s": t["off"], "on_s": t["on"], "cosine_mean": cos.mean().item(),
-                           "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+                           "argmax_agree": agree.mean().item()}
     scale = full.vocab_size / config.vocab_size
     per_layer = {k: sum(parts[p][k] for p in parts if p.endswith("one_layer")) for k in ("off_s", "on_s")}
     projected = {k: full.num_layers * per_layer[k] + scale * (parts["lm_head"][k] + parts["soft_embedding"][k])

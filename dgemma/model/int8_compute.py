@@ -28,7 +28,7 @@ import functools
 import platform
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 MODES = ("auto", "on", "off")
 
@@ -43,7 +43,7 @@ MIN_WEIGHTS_TO_WIDEN = 1 << 20
 MAX_EXACT_K = 1 << 17
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_has_int8_dot() -> bool:
     """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
