@@ -2,7 +2,7 @@
 
     python benchmarks/int8_compute.py threshold                      # rows where widening int4 to int8 pays
     python benchmarks/int8_compute.py step --quantize int8           # bench-20m's eager step and AR token
-    python benchmarks/int8_compute.py layers --layers 2              # a few layers of the 26B-A4B shape
+    python benchmarks/int8_compute.py layers --layers 1              # a few layers of the 26B-A4B shape
 
 `threshold` times torch's int4 kernel against widening the same weight to int8 then torch._int_mm, at the
 26B's expert shapes and bench-20m's, for 8..256 rows (what `int8_compute.MIN_ROWS_TO_WIDEN` is set from).
@@ -16,7 +16,6 @@ off and on, checks each part's output against the float path, and projects the f
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import resource
@@ -101,9 +100,7 @@ def layers(args) -> dict:
     full = dgemma.get_preset(args.preset)
     config = dataclasses.replace(full, num_layers=args.layers, layer_types=full.layer_types[: args.layers],
                                  vocab_size=args.vocab)
-    off = random_model(config, dtype=torch.bfloat16, quantize="int4", seed=0)
-    on = copy.copy(off)  # the weights shared: integer compute widens int4 as it runs, and adds the table's codes
-    on.layers = copy.deepcopy(off.layers)
+    off, on = (random_model(config, dtype=torch.bfloat16, quantize="int4", seed=0) for _ in range(2))  # alike
     assert int8_compute.enable(on, "on")
     L, H = config.canvas_length, config.hidden_size
     g = torch.Generator().manual_seed(1)
@@ -149,7 +146,7 @@ def main():
     p.add_argument("what", choices=["threshold", "step", "layers"])
     p.add_argument("--preset", default=None, help="default bench-20m (step), diffusiongemma-26b-a4b (layers)")
     p.add_argument("--quantize", choices=["int8", "int4"], default="int8")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=65536, help="table rows for `layers` (projected to the full one)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)

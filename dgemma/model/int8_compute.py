@@ -191,17 +191,20 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
         if hasattr(module, "int8") and hasattr(module, "qweight"):
             module.int8 = _prepare(module, "qweight", "scales")
         elif hasattr(module, "int8"):
-            module.int8 = {name: _prepare(module, f"{name}_q", f"{name}_scales")
-                           for name in ("gate_up_proj", "down_proj")}
+            prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
+            module.int8 = None if None in prepared.values() else prepared
     model.int8_table = Int8Table(model.embed_tokens.weight)
     return True
 
 
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):
-    """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener."""
+    """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener, or None
+    where the int4 kernel's layout is not in whole blocks of 64 rows (the int4 path then runs)."""
     q, scales = getattr(module, codes_name), getattr(module, scales_name)
     if module.fmt == "int8":
         return to_channel_scales(q, scales)
+    if module.kernel_layout and q.shape[-2] % 64:
+        return None
     return Int4Widener(scales, bool(module.kernel_layout))
 
 
