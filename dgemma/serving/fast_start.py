@@ -22,7 +22,6 @@ a large model on a CPU, or a compile that failed).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -68,11 +67,9 @@ class BackgroundCompile:
         return not self._done.is_set()
 
     def _build(self):
+        # Not niced: this thread holds the GIL while it traces, and a thread the OS schedules less holding it
+        # would stall the event loop and the engine thread with it (priority inversion).
         start = time.perf_counter()
-        try:  # this thread (and the C++ compilers it starts) yield the CPU to the engine thread (Linux: per thread)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
         model = self.worker.model
         try:
             model.compile_decoder(self.mode, background=True)
