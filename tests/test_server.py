@@ -175,8 +175,8 @@ def test_models_and_health(server, client):
     assert card["task"] == "text" and card["canvas_length"] == 16 and card["max_length"] == 256
     assert card["defaults"]["steps"] == 8
     assert client.models.retrieve(MODEL).id == MODEL
-    assert server.health() == {"status": "ok", "model": MODEL, "active": 0, "waiting": 0, "max_batch": 4,
-                               "max_queue": 16}
+    assert server.health() == {"status": "ok", "model": MODEL, "step": "eager", "active": 0, "waiting": 0,
+                               "max_batch": 4, "max_queue": 16}
 
 
 def test_completion_equals_the_engine_alone(client, reference):

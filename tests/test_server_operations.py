@@ -44,7 +44,7 @@ def test_metrics_move_with_traffic(server):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
 
-    ok = dict(route="/v1/completions", method="POST", status="200")
+    ok = {"route": "/v1/completions", "method": "POST", "status": "200"}
     assert moved("dgemma_http_requests_total", **ok) == 1
     assert moved("dgemma_http_requests_total", **{**ok, "status": "404"}) == 1
     assert moved("dgemma_errors_total", kind="model_not_found") == 1

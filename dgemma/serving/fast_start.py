@@ -32,7 +32,6 @@ from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
 
 
-
 def serving_warm_up(engine: Engine):
     """`Engine.warm_up` (two prompt lengths, two batch sizes), then requests shaped as served ones are: longer
     prompts, two canvases each (a commit between), batch one and two, so that the first real requests after
