@@ -117,6 +117,7 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir):
         s.stop()
 
 
+@pytest.mark.slow  # one cold compile of the tiny model's step (minutes on 2 cores)
 def test_fast_start_then_the_compiled_step(tiny_model_dir, tmp_path, monkeypatch):
     """The first answer within 20 s of launch with an empty compile cache and with a warm one; the switch from
     the eager step to the compiled one keeps each seed's answer (one batch row: the fewest graphs to compile)."""
