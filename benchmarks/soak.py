@@ -7,7 +7,10 @@ The mix, each client drawing by weight with its own seeded generator:
   structured  response_format json_schema: the answer must parse and validate (finish_reason stop)
   image       a chat with a PNG as a data URL (the model's vision tower)
   tools       tool_choice "required": the answer must be calls whose arguments are JSON objects
-Every answer is keyed by (what was asked, seed); two different answers to one key are a determinism
+With --adapters N, N random LoRA adapters (PEFT folders) are served beside the model (`--lora`) and each
+request names the base model or one of them at random. A scraper reads /metrics every 2 s and parses it
+with prometheus_client (a failed scrape or parse is an error of kind "metrics").
+Every answer is keyed by (what was asked, seed, model); two different answers to one key are a determinism
 failure. Errors are counted by kind (HTTP status, exception class, an invalid answer). The server's RSS
 is sampled every second from /proc; the plot shows it over time with the requests served.
 
@@ -17,6 +20,7 @@ test extra for transformers).
 
     python benchmarks/soak.py --minutes 10 --clients 8      # prints a table, then one JSON line
     python benchmarks/soak.py --minutes 1 --clients 4       # a quick look
+    python benchmarks/soak.py --minutes 3 --clients 4 --adapters 2   # LoRA adapters by name, mixed in batches
 
 Loopback only: the server binds 127.0.0.1 and the loops stop by themselves after --minutes.
 """
@@ -165,6 +169,8 @@ class Tally:
         self.checked = collections.Counter()  # determinism: answers compared with an earlier one
         self.mismatched = collections.Counter()
         self.done: list[float] = []  # when each request ended
+        self.scrapes = 0  # /metrics read and parsed
+        self.metrics: dict[tuple, float] = {}  # the last scrape: (sample, labels) -> value
 
     def ok(self, kind: str, seconds: float, t: float):
         with self.lock:
@@ -187,9 +193,48 @@ class Tally:
                 self.answers[key] = text
 
 
-def chat_body(kind: str, seed: int) -> dict:
+def write_adapters(model_dir: Path, root: Path, count: int) -> list[str]:
+    """`count` random LoRA adapters of the text layers' q_proj and o_proj, as PEFT folders: ["NAME=PATH", ...]."""
+    import torch
+
+    import dgemma
+    from dgemma.model.adapters import write_peft_adapter
+
+    model = dgemma.load_model(model_dir)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and n.startswith("layers.") and n.endswith(("q_proj", "o_proj"))}
+    flags = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(100 + i)
+        weights = {}
+        for name, m in linears.items():
+            weights[f"{name}.lora_A"] = torch.randn(4, m.in_features, generator=g) * 0.3
+            weights[f"{name}.lora_B"] = torch.randn(m.out_features, 4, generator=g) * 0.3
+        folder = write_peft_adapter(root / f"adapter-{i}", weights, rank=4, alpha=8, dropout=0.0,
+                                    base_model=str(model_dir), config=model.config)
+        flags.append(f"lora-{i}={folder}")
+    return flags
+
+
+def scrape_loop(url: str, deadline: float, tally: Tally, t0: float):
+    """/metrics every 2 s, parsed; the last scrape's samples are kept for the summary."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).raise_for_status().text
+            tally.metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                             for family in text_string_to_metric_families(text) for s in family.samples}
+            tally.scrapes += 1
+        except Exception as e:
+            tally.error("metrics", type(e).__name__, time.monotonic() - t0)
+        time.sleep(2)
+
+
+def chat_body(kind: str, seed: int, model: str = MODEL) -> dict:
     prompt = PROMPTS[seed % 3]
-    body = {"model": MODEL, "seed": seed, "max_tokens": 48, "messages": [{"role": "user", "content": prompt}]}
+    body = {"model": model, "seed": seed, "max_tokens": 48, "messages": [{"role": "user", "content": prompt}]}
     if kind == "structured":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         body["max_tokens"] = 64
@@ -242,7 +287,7 @@ def check(kind: str, message: dict, reason: str) -> str | None:
     return None
 
 
-def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float):
+def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float, models: list[str]):
     rng = random.Random(index)
     kinds, weights = zip(*KINDS.items())
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -250,7 +295,8 @@ def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float):
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
             seed = rng.choice(SEEDS)
-            body = chat_body("chat" if kind in ("stream", "drop") else kind, seed)
+            model = rng.choice(models)
+            body = chat_body("chat" if kind in ("stream", "drop") else kind, seed, model)
             start = time.monotonic()
             try:
                 if kind in ("stream", "drop"):
@@ -264,7 +310,7 @@ def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float):
                             tally.ok(kind, time.monotonic() - start, time.monotonic() - t0)
                             continue
                         text, reason = stream_text(r)
-                    tally.answer(kind, ("chat", seed), answer_text({"content": text}))
+                    tally.answer(kind, ("chat", seed, model), answer_text({"content": text}))
                 else:
                     r = http.post("/v1/chat/completions", json=body)
                     if r.status_code != 200:
@@ -275,7 +321,7 @@ def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float):
                     if problem:
                         tally.error(kind, problem, time.monotonic() - t0)
                         continue
-                    tally.answer(kind, (kind, seed), answer_text(choice["message"]))
+                    tally.answer(kind, (kind, seed, model), answer_text(choice["message"]))
             except Exception as e:  # a transport error, a broken stream: counted, the loop goes on
                 tally.error(kind, type(e).__name__, time.monotonic() - t0)
                 continue
@@ -317,6 +363,7 @@ def main():
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--adapters", type=int, default=0, help="random LoRA adapters served beside the model")
     parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak.png",
                         help="PNG of RSS and requests over time (needs dgemma[plot])")
     parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log",
@@ -325,13 +372,17 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_model(Path(tmp))
-        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64"], args.server_log)
+        loras = write_adapters(model, Path(tmp), args.adapters) if args.adapters else []
+        models = [MODEL] + [flag.partition("=")[0] for flag in loras]
+        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64",
+                                *(a for flag in loras for a in ("--lora", flag))], args.server_log)
         try:
             tally = Tally()
             start = time.monotonic()
             deadline = start + args.minutes * 60
-            threads = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, server.t0))
+            threads = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, server.t0, models))
                        for i in range(args.clients)]
+            threads.append(threading.Thread(target=scrape_loop, args=(server.url, deadline, tally, server.t0)))
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -360,6 +411,14 @@ def main():
     problems = [i for i, line in enumerate(lines) if "Traceback" in line or " 500 " in line or "ERROR" in line]
     for i in problems[:5]:
         print("server log:", "\n  ".join(lines[i:i + 25]))
+    finished = collections.Counter()
+    for (name, labels), value in tally.metrics.items():
+        if name == "dgemma_engine_requests_finished_total":
+            finished[dict(labels)["model"]] += value
+    scraped_errors = {dict(labels)["kind"]: v for (name, labels), v in tally.metrics.items()
+                      if name == "dgemma_errors_total" and v}
+    print(f"/metrics scraped {tally.scrapes} times; engine requests finished by model (last scrape): "
+          f"{dict(finished)}; errors by kind: {scraped_errors or 'none'}")
     plot(server, tally, args.plot, args.minutes, args.clients)
     print(f"plot: {args.plot}")
     summary = {
@@ -373,6 +432,8 @@ def main():
         "rss_mib": {"start": round(rss[0], 1), "after_1_min": round(warm[0], 1), "end": round(rss[-1], 1),
                     "max": round(max(rss), 1), "growth_after_1_min": round(rss[-1] - warm[0], 1)},
         "idle_at_end": health["active"] == 0 and health["waiting"] == 0,
+        "adapters": args.adapters, "metrics_scrapes": tally.scrapes, "finished_by_model": dict(finished),
+        "metrics_errors_by_kind": scraped_errors,
     }
     print(json.dumps(summary))
 

@@ -189,12 +189,14 @@ def resolve_device_dtype(args):
     return device, getattr(torch, DTYPES[name])
 
 
-def load_from_args(args):
+def load_from_args(args, *, compile: bool = True):
+    """The model --model names; compiled per the flags unless `compile` is False (the caller decides when)."""
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
-    return maybe_compile(args, apply_int8_compute(args, model))
+    model = apply_int8_compute(args, model)
+    return maybe_compile(args, model) if compile else model
 
 
 def read_prompt(text: str | None) -> str:

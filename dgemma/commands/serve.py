@@ -12,9 +12,11 @@ from pathlib import Path
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
+    compile_mode,
     load_from_args,
     non_negative_float,
     positive_int,
+    wants_compile,
 )
 
 
@@ -46,8 +48,14 @@ def add_arguments(p):
     p.add_argument("--prebuild-json-object", action="store_true",
                    help="build response_format json_object's automaton when the server starts, in the background "
                         "(minutes at Gemma's vocabulary; read from --automaton-cache when it is there)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT folder, as `dgemma train --lora` writes RUN/adapter) under the "
+                        "model name NAME, beside the base model; repeatable. Runs the eager step")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long running requests may go on before their streams are ended "
+                        "with an error event (new requests get 503 meanwhile; default %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="uvicorn's log level ('info' logs every request)")
+                   help="the server's log level ('info' logs every request with its X-Request-Id)")
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="serve with N whole engines (each its own process, model and batch) behind one endpoint")
@@ -83,10 +91,42 @@ def run(args):
     sock.listen(2048)
     port = sock.getsockname()[1]
     _announce(args, state.codec.task + (", images" if state.images else ""), port)
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=3)
-    uvicorn.Server(config).run(sockets=[sock])
+    from dgemma.serving.shutdown import FLUSH_SECONDS, GracefulServer
+
+    # uvicorn's access log is replaced by the app's own, which names each request's X-Request-Id (traffic.py)
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+                            log_config=_log_config(args.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
+    GracefulServer(config, state, grace_seconds=args.shutdown_grace).run(sockets=[sock])
+    if state.background_compile is not None and state.background_compile.running:
+        sys.stdout.flush()  # a compile in progress has nothing to keep: don't wait for it
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging setup, with the "dgemma.access" and "dgemma.serve" loggers on its stderr handler."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for name in ("dgemma.access", "dgemma.serve"):
+        config["loggers"][name] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
+def _adapters(args, model, name: str) -> tuple[str, ...]:
+    """--lora NAME=PATH: each adapter read and installed on the model (serving/adapters.py); exit 2 with one line
+    for one that does not fit it."""
+    if not args.lora:
+        return ()
+    from dgemma.serving.adapters import load_adapters, parse_lora_flags
+
+    try:
+        return load_adapters(model, parse_lora_flags(args.lora, name))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check_arguments(args):
@@ -103,6 +143,8 @@ def _check_arguments(args):
         read_task(folder)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.shutdown_grace < 0:
+        raise UsageError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     context = model_config(folder)[1].max_position_embeddings
     if args.max_length is not None and args.max_length > context:
         raise UsageError(f"--max-length {args.max_length} is more than the model's context of {context}")
@@ -228,20 +270,29 @@ def build_state(args):
 
     folder = Path(args.model)
     task = read_task(folder)
-    model = load_from_args(args)
+    model = load_from_args(args, compile=False)  # compiled in the background once serving (fast_start.py)
+    adapters = _adapters(args, model, served_name(args))
     vocab_size = model.config.vocab_size
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(args, folder, model) if task == "text" else None
     set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
     worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
-    if model.decoder_compiled:
-        print("compiling the denoising step before serving (once; a minute or two on a CPU)", file=sys.stderr)
-        worker.engine.warm_up()
+    background = None
+    if adapters:
+        print("dgemma serve: LoRA adapters run on the eager step", file=sys.stderr)
+    elif wants_compile(args, model):  # the eager step answers meanwhile
+        from dgemma.serving.fast_start import BackgroundCompile
+
+        background = BackgroundCompile(worker, compile_mode(args, model))
+        worker.between_steps = background.between_steps
+        background.start()
     if args.prebuild_json_object and codec.task == "text":
         _prebuild_json_object(codec)
     return ServerState(worker=worker, codec=codec, model_name=served_name(args), sampling=model.sampling_config,
                        canvas_length=model.config.canvas_length, api_key=args.api_key or None,
-                       max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images)
+                       max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images,
+                       step_kind=background.kind if background is not None else None, background_compile=background,
+                       adapters=adapters, adapter_paths=tuple(v.partition("=")[2] for v in args.lora))
 
 
 def served_name(args) -> str:

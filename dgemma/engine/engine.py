@@ -150,7 +150,7 @@ class Engine:
                 from dgemma.structured.answer import ConstrainedAnswer
 
                 r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
-            self.runner.prefill(r.row, r.prompt, r.images)
+            self.runner.prefill(r.row, r.prompt, r.images, adapter=r.adapter)
             if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
                 r.images = None
             self._start_canvas(r)
@@ -374,7 +374,7 @@ class Engine:
         r.emit(Event("round", r.request_id, r.canvas_index, step=r.round, tokens=list(r.rejected)))
         if r.canvas_index > 0:  # the row holds committed canvases: start again from the prompt alone
             self.runner.free([r.row])
-            self.runner.prefill(r.row, r.prompt, r.images)
+            self.runner.prefill(r.row, r.prompt, r.images, adapter=r.adapter)
         r.tokens, r.canvas_index = [], 0
         self._start_canvas(r)
         return True

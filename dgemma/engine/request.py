@@ -65,6 +65,7 @@ class Request:
     max_rounds: int = 1
     search: object | None = None  # the dgemma.engine.search.Search this request is a candidate of
     candidate: int = 0  # its index there
+    adapter: int = 0  # the served LoRA adapter this request runs (dgemma.model.adapters; 0: the base model)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     # state, owned by the engine

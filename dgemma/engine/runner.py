@@ -6,6 +6,8 @@ the device without waiting for it (`dgemma.device_sync.to_device`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dgemma.device_sync import to_device
@@ -21,25 +23,36 @@ class Runner:
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, max_length)
         self.hidden_size = model.config.hidden_size
+        # each row's LoRA adapter (dgemma.model.adapters; 0: the base model), for models serving adapters
+        self.row_adapter = [0] * max_batch
 
     @property
     def device(self):
         return self.model.device
 
+    def _adapters(self, rows: list[int]):
+        """While a forward over `rows` runs: each row's adapter, for a model that serves adapters."""
+        holder = getattr(self.model, "adapter_rows", None)
+        if holder is None:
+            return contextlib.nullcontext()
+        return holder.set(to_device([self.row_adapter[r] for r in rows], torch.long, self.device))
+
     @torch.no_grad()
-    def prefill(self, row: int, prompt: list[int], images=None):
+    def prefill(self, row: int, prompt: list[int], images=None, adapter: int = 0):
         """Encode a prompt into its row; `images` (dgemma.images.ImageInputs) fill its image tokens, in the
-        same call (an image's tokens must be encoded together)."""
+        same call (an image's tokens must be encoded together). `adapter`: the row's LoRA adapter from now on."""
+        self.row_adapter[row] = adapter
         ids = to_device([prompt], torch.long, self.device)
         pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                                 image_position_ids=images.image_position_ids)
-        self.model.encode(ids, self.cache, rows=[row], return_logits=False,
-                          **pixels)
+        with self._adapters([row]):
+            self.model.encode(ids, self.cache, rows=[row], return_logits=False, **pixels)
 
     @torch.no_grad()
     def commit(self, rows: list[int], canvases: torch.Tensor):
         """Encode committed canvases (n, L) into their rows' cache."""
-        self.model.encode(canvases, self.cache, rows=rows, return_logits=False)
+        with self._adapters(rows):
+            self.model.encode(canvases, self.cache, rows=rows, return_logits=False)
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
@@ -48,7 +61,8 @@ class Runner:
         if any(s is not None for s in softs):  # rows at their first step get an exact zero signal
             zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
             soft = torch.stack([zeros if s is None else s for s in softs])
-        return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=rows)
+        with self._adapters(rows):
+            return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=rows)
 
     @torch.no_grad()
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
@@ -62,5 +76,7 @@ class Runner:
         return out
 
     def free(self, rows: list[int]):
+        for row in rows:
+            self.row_adapter[row] = 0
         if rows:
             self.cache.reset_rows(rows)

@@ -16,6 +16,11 @@ model's compiled step is already in that cache, and the fallback to eager when c
   One-shot commands compile by default only when it exists (`is_warm`).
 - Size: on a CPU a model above a billion parameters runs eagerly by default (`compiles_by_default`): its step
   is large matmuls that compiling does not speed up, and compiling it takes longer than many canvases do.
+- Background: `compile_decoder(background=True)` makes the calling thread the only one that runs the compiled
+  functions until `release_compiled()`; every other thread keeps running them eagerly meanwhile. A server
+  compiles and warms up the step on a thread of its own while its engine thread answers eagerly, then
+  switches between two steps (dgemma/serving/fast_start.py). Dynamo's frame hook, its fake-tensor mode
+  and grad mode are per thread, so the eager thread is not traced.
 - Fallback: compiling needs a C++ compiler on a CPU and triton on a GPU. Without them, or when a compile
   raises, the model runs eagerly, after one warning line on stderr.
 - Policy (`should_compile`): the command line's --compile / --eager first, then DGEMMA_EAGER, then the
@@ -35,6 +40,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -174,6 +180,12 @@ class CompileState:
         self.model, self.mode = model, mode
         self.failed = False
         self.marked = False
+        # while set: the one thread that runs the compiled functions (a background compile); others run eagerly
+        self.owner: threading.Thread | None = None
+
+    def runs_compiled(self) -> bool:
+        """Whether a call on the current thread takes the compiled function."""
+        return not self.failed and (self.owner is None or self.owner is threading.current_thread())
 
     def fail(self, error: BaseException):
         if not self.failed:
@@ -222,7 +234,7 @@ class CompiledOrEager:
         self.compiled = torch.compile(fn, **compile_kwargs)
 
     def __call__(self, *args, **kwargs):
-        if self.state.failed:
+        if not self.state.runs_compiled():
             return self.eager(*args, **kwargs)
         try:
             with dynamo_settings():
@@ -236,7 +248,7 @@ class CompiledOrEager:
         return out
 
 
-def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None):
+def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None, *, background: bool = False):
     """What `DiffusionGemma.compile_decoder` does (its docstring says why): the model, compiled lazily."""
     if model.decoder_compiled or (model._compile_state is not None and model._compile_state.failed):
         return model
@@ -261,6 +273,8 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
     options = dict(torch._inductor.list_mode_options(mode))
     options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
     model._compile_state = CompileState(model, mode)
+    if background:  # only this thread runs the compiled functions until `release_compiled`
+        model._compile_state.owner = threading.current_thread()
     model._compile_options = options
     # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
     model.decode_canvas = model.compiled_function(model.decode_canvas, mark=True)

@@ -487,7 +487,7 @@ class DiffusionGemma(nn.Module):
             x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
 
-    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None):
+    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None, background: bool = False):
         """Compile `decode_canvas` with torch.compile (inductor), and the encoder's layers (`encode_tokens`)
         for passes without gradients: prompts, committed canvases and autoregressive tokens.
 
@@ -507,8 +507,15 @@ class DiffusionGemma(nn.Module):
         compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
         warning line; `decoder_compiled` then says False. No torch setting is left changed: the one dynamo
         setting the graphs need is set only while a compiled call runs (`compilation.dynamo_settings`).
+        `background`: only the calling thread runs the compiled functions (it warms them up) until
+        `release_compiled()`; other threads run eagerly meanwhile (`dgemma.model.compilation`).
         """
-        return compilation.compile_model(self, mode, cpp_wrapper)
+        return compilation.compile_model(self, mode, cpp_wrapper, background=background)
+
+    def release_compiled(self):
+        """After `compile_decoder(background=True)`: every thread runs the compiled functions from now on."""
+        if self._compile_state is not None:
+            self._compile_state.owner = None
 
     def compiled_function(self, fn, *, mark: bool = False, **compile_kwargs):
         """`fn` compiled with this model's options, falling back to eager with the model's other compiled

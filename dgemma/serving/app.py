@@ -2,12 +2,15 @@
 
 Routes
   GET  /                      the playground (static files in ./static, no network needed)
-  GET  /health                {"status": "ok", "active", "waiting", ...}; no API key needed
+  GET  /health                {"status": "ok", "step": "eager" | "compiling" | "compiled", "active", ...};
+                              no API key needed; 503 {"status": "draining"} while stopping (shutdown.py)
+  GET  /metrics               Prometheus text format (metrics.py); the API key applies
   GET  /openapi.json          the API's schema: request bodies are the models that validate them (protocol.py,
                               chat_protocol.py), responses the models that build them (responses.py, errors.py);
                               the API key applies
   GET  /docs                  Swagger UI over /openapi.json (served from here, no CDN)
-  GET  /v1/models             the one served model, with a `dgemma` field (task, canvas, defaults)
+  GET  /v1/models             the served model, with a `dgemma` field (task, canvas, defaults), and its LoRA
+                              adapters (`dgemma serve --lora NAME=PATH`), each by name with its `parent`
   POST /v1/completions        prompt(s) -> text; stream: true for server-sent events; with `logprobs`
                               (max_tokens 0 or 1) the prompts are scored instead (engine/scoring.py)
   POST /v1/chat/completions   messages -> reply, through the model's chat template; user messages may
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
@@ -33,11 +36,14 @@ from dgemma.chat.codec import PromptError
 from dgemma.serving import openapi
 from dgemma.serving import responses as bodies
 from dgemma.serving.chat_protocol import ChatCompletionRequest
+from dgemma.serving.adapters import adapter_card, no_adapter_scoring
 from dgemma.serving.errors import APIError, bad_request
 from dgemma.serving.handlers import echo_only, generate, score, tool_constraint
 from dgemma.serving.http_plumbing import JSONBodyRoute, add_error_handlers
+from dgemma.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from dgemma.serving.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from dgemma.serving.state import ServerState
+from dgemma.serving.traffic import Traffic, TrafficMiddleware
 
 STATIC = Path(__file__).parent / "static"
 
@@ -55,6 +61,7 @@ def create_app(state: ServerState) -> FastAPI:
                   version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dgemma = state
     add_error_handlers(app)
+    _add_metrics(app, state)
     key = Depends(_api_key_check(state))
     _add_pages(app, state, key)
     app.include_router(_v1_routes(state, key))
@@ -76,9 +83,14 @@ def _add_pages(app: FastAPI, state: ServerState, key):
                                                         503: {"model": bodies.Health, "description": "stopped"}})
     async def health():
         """Whether the engine runs, and its load. No API key needed."""
-        ok = state.worker.alive
-        body = bodies.Health(status="ok" if ok else "unavailable", model=state.model_name, **state.worker.load())
+        ok = state.worker.alive and not state.traffic.draining
+        status = "ok" if ok else "draining" if state.traffic.draining else "unavailable"
+        body = bodies.Health(status=status, model=state.model_name, step=_step_kind(state), **state.worker.load())
         return JSONResponse(body.wire(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False, dependencies=[key])
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[key])
     async def openapi_schema():
@@ -96,38 +108,41 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
     @v1.get("/models", response_model=None, responses={200: {"model": bodies.ModelList},
                                                        **openapi.error_responses(401)})
     async def models():
-        """The one served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults."""
-        return bodies.ModelList(object="list", data=[_model_card(state)]).wire()
+        """The served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults; then
+        its LoRA adapters (serving/adapters.py)."""
+        cards = [_model_card(state).wire()] + [adapter_card(state, n) for n in state.adapters]
+        return {"object": "list", "data": cards}
 
     # any_text: http_plumbing.AnyText, so that every id (line breaks included) reaches the check
     @v1.get("/models/{model_id:any_text}", response_model=None,
-            responses={200: {"model": bodies.ModelCard}, **openapi.error_responses(400, 401)})
+            responses={200: {"model": bodies.ModelCard}, **openapi.error_responses(401, 404)})
     async def model(model_id: str):
-        """The served model's card; another id is a 400 (model_not_found)."""
-        _check_model(state, model_id)
-        return _model_card(state).wire()
+        """The served model's card, or an adapter's; another id is a 404 (model_not_found)."""
+        adapter = _check_model(state, model_id)
+        return _model_card(state).wire() if adapter == 0 else adapter_card(state, model_id)
 
     @v1.post("/completions", response_model=None,
              responses=openapi.generation_responses(bodies.Completion, bodies.CompletionChunk))
     async def completions(body: CompletionRequest, request: Request):
         """Prompts continued by the diffusion sampler, or scored (`logprobs` with max_tokens 0 or 1)."""
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         prompts = [_encode(state.codec.encode_text if isinstance(p, str) else state.codec.check_ids, p)
                    for p in body.prompt]
         # echo: the prompt as sent, or decoded from its ids
         echoes = [p if isinstance(p, str) else state.codec.decode(ids) for p, ids in zip(body.prompt, prompts)]
         if body.scoring:
+            no_adapter_scoring(adapter)
             return await score(state, request, body, prompts, echoes)
         if body.max_tokens == 0:
             return echo_only(state, body, prompts, echoes)
         return await generate(state, request, body, prompts, body.max_tokens, chat=False,
-                              echoes=echoes if body.echo else None)
+                              echoes=echoes if body.echo else None, adapter=adapter)
 
     @v1.post("/chat/completions", response_model=None,
              responses=openapi.generation_responses(bodies.ChatCompletion, bodies.ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Messages through the model's chat template (images, tools, thinking), answered by the sampler."""
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         template_kwargs = body.template_kwargs()
         images = await _images(state, body)
         prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
@@ -135,7 +150,8 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
             prompt = state.images.expand(prompt, images)
         constraint = await tool_constraint(state, body, template_kwargs)
         return await generate(state, request, body, [prompt], body.token_limit, chat=True,
-                              parse_tools=body.tool_mode != "none", constraint=constraint, images=images)
+                              parse_tools=body.tool_mode != "none", constraint=constraint, images=images,
+                              adapter=adapter)
 
     return v1
 
@@ -155,7 +171,7 @@ def _tokenizer_routes(state: ServerState, key) -> APIRouter:
             model_max_length=state.worker.max_length).wire()
 
     @tokenizer.post("/tokenize", response_model=None,
-                    responses={200: {"model": bodies.Tokens}, **openapi.error_responses(400, 401, 413)})
+                    responses={200: {"model": bodies.Tokens}, **openapi.error_responses(400, 401, 404, 413)})
     async def tokenize(body: TokenizeRequest):
         """Text to token ids, as vLLM's route."""
         _check_model(state, body.model)
@@ -164,7 +180,7 @@ def _tokenizer_routes(state: ServerState, key) -> APIRouter:
                              token_strs=None).wire()
 
     @tokenizer.post("/detokenize", response_model=None,
-                    responses={200: {"model": bodies.Detokenized}, **openapi.error_responses(400, 401, 413)})
+                    responses={200: {"model": bodies.Detokenized}, **openapi.error_responses(400, 401, 404, 413)})
     async def detokenize(body: DetokenizeRequest):
         """Token ids to text, special tokens written out."""
         _check_model(state, body.model)
@@ -173,6 +189,24 @@ def _tokenizer_routes(state: ServerState, key) -> APIRouter:
         return bodies.Detokenized(prompt=tok.decode(ids, skip_special_tokens=False)).wire()
 
     return tokenizer
+
+
+def _add_metrics(app: FastAPI, state: ServerState):
+    """The app's own registry (metrics.py), fed by the engine worker and by the outermost middleware."""
+    if state.metrics is None:
+        state.metrics = ServerMetrics(state.model_name)
+    if state.traffic is None:
+        state.traffic = Traffic(state.metrics)
+    state.metrics.watch(state.worker, lambda: _step_kind(state))
+    state.metrics.model_of = lambda request: state.served_name(request.adapter)
+    state.worker.observer = state.metrics
+    app.add_middleware(TrafficMiddleware, traffic=state.traffic)  # added last: outermost
+
+
+def _step_kind(state: ServerState) -> str:
+    if state.step_kind is not None:
+        return state.step_kind()
+    return "compiled" if state.worker.model.decoder_compiled else "eager"
 
 
 def _version() -> str:
@@ -221,10 +255,16 @@ def _api_key_check(state: ServerState):
     return check
 
 
-def _check_model(state: ServerState, name: str | None):
-    if name is not None and name != state.model_name:
-        raise bad_request(f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                          param="model", code="model_not_found")
+def _check_model(state: ServerState, name: str | None) -> int:
+    """The served model `name` asks for: 0 the base model (also for no name), i the adapter state.adapters[i - 1];
+    a 404 in OpenAI's shape for any other name."""
+    if name is None or name == state.model_name:
+        return 0
+    if name in state.adapters:
+        return state.adapters.index(name) + 1
+    served = ", ".join(repr(n) for n in (state.model_name, *state.adapters))
+    raise APIError(404, f"model {name!r} does not exist; this server serves {served}", param="model",
+                   code="model_not_found")
 
 
 def _encode(encode, *args) -> list[int]:

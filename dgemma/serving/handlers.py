@@ -120,7 +120,7 @@ class Choice:
 
 async def generate(state: ServerState, request: Request, body, prompts: list[list[int]], max_tokens: int | None,
                    *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
-                   images=None):
+                   images=None, adapter: int = 0):
     """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
     text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
     samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
@@ -128,12 +128,12 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
     if answer_format is not None and constraint is not None:
         raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
                           "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
-    streams = _submit(state, body, prompts, samplings, constraint or answer_format, images)
+    streams = _submit(state, body, prompts, samplings, constraint or answer_format, images, adapter)
     decode = state.codec.decode_chat if chat else state.codec.decode
     choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
                       ChatOutput(parse_tools) if chat else None, echoes[i // body.choices] if echoes else "")
                for i, stream in enumerate(streams)]
-    writer = ChunkWriter(chat, state.model_name)
+    writer = ChunkWriter(chat, state.served_name(adapter))
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         cancel = BackgroundTask(_cancel_all, state.worker, streams)  # runs when the response ends or the client leaves
@@ -154,7 +154,7 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
 
 
 def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[SamplingConfig], constraint,
-            images=None) -> list[RequestStream]:
+            images=None, adapter: int = 0) -> list[RequestStream]:
     """One engine request per prompt and choice, a prompt's choices seeded seed, seed+1, ... (random when
     none is given); all or none."""
     n = body.choices
@@ -169,7 +169,7 @@ def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[
                 for i in range(n):
                     streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63,
                                                        constraint=constraint, want_drafts=body.include_drafts,
-                                                       images=images))
+                                                       images=images, adapter=adapter))
         except BaseException:
             _cancel_all(state.worker, streams)
             raise
@@ -206,7 +206,7 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
         for stream in streams:
             while (item := await stream.next()).kind != "finished":
                 if item.kind == "error":
-                    raise APIError(500, item.message, type="server_error")
+                    raise APIError(item.status, item.message, type="server_error")
             if item.finish_reason != "scored":
                 raise APIError(500, "the request was cancelled", type="server_error")
     finally:
@@ -244,7 +244,7 @@ async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[st
     while True:
         item = await stream.next()
         if item.kind == "error":
-            raise APIError(500, item.message, type="server_error")
+            raise APIError(item.status, item.message, type="server_error")
         if item.kind == "draft":
             yield "draft", _draft_payload(state.codec, item)
             continue

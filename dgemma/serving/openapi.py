@@ -23,6 +23,8 @@ ERRORS = {
     400: "bad input: a wrong type, a value out of range, malformed JSON, an unsupported field or schema, a prompt "
          "too long for the context, a bad image",
     401: "missing or wrong API key (when the server has one)",
+    404: "no such model: the `model` field names neither the served model nor one of its adapters "
+         "(code model_not_found)",
     413: "the body is over --max-body-bytes",
     429: "the queue is full (a Retry-After header says when to retry)",
     500: "the engine failed while running the request",
@@ -49,7 +51,7 @@ def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
                        "event's data is [DONE]"}}}
     return {200: {"model": body, "description": "the answer; with stream: true, server-sent events",
                   "content": {"text/event-stream": {"schema": event}}},
-            **error_responses(400, 401, 413, 429, 500, 503)}
+            **error_responses(400, 401, 404, 413, 429, 500, 503)}
 
 
 def add_stream_chunks(schema: dict) -> dict:

@@ -226,8 +226,9 @@ class ModelList(Body):
 
 
 class Health(Body):
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "draining", "unavailable"]
     model: str
+    step: Literal["eager", "compiling", "compiled"]  # compiling: the eager step answers meanwhile
     active: int
     waiting: int
     max_batch: int

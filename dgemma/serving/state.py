@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from dgemma.chat.codec import Codec
 from dgemma.config import SamplingConfig
 from dgemma.serving.image_urls import ImageReader
+from dgemma.serving.metrics import ServerMetrics
+from dgemma.serving.traffic import Traffic
 from dgemma.serving.worker import EngineWorker
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -25,3 +27,13 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     images: ImageReader | None = None  # None: the model reads no images
     created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics | None = None  # made by create_app when not given
+    traffic: Traffic | None = None  # the same
+    adapters: tuple[str, ...] = ()  # LoRA adapters served by name; adapter i + 1 in the engine is adapters[i]
+    adapter_paths: tuple[str, ...] = ()  # where each was read from
+    background_compile: object = None  # serving/fast_start.BackgroundCompile, while one exists
+    step_kind: object = None  # () -> "eager" | "compiling" | "compiled" (serving/fast_start.py); None: fixed
+
+    def served_name(self, adapter: int) -> str:
+        """The `model` name of engine adapter index `adapter` (0: the base model)."""
+        return self.model_name if adapter == 0 else self.adapters[adapter - 1]

@@ -35,6 +35,7 @@ class Failure:
 
     message: str
     kind: str = "error"
+    status: int = 500  # the HTTP status a whole (not streamed) answer gets: 503 when the server is stopping
 
 
 class RequestStream:
@@ -80,6 +81,10 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._recent_seconds: deque[float] = deque(maxlen=32)  # request durations, for Retry-After
         self.failures = 0
+        # told of engine steps, finished requests and failures, on the engine thread (serving/metrics.py)
+        self.observer = None
+        # called on the engine thread between steps (serving/fast_start.py switches the compiled step in)
+        self.between_steps = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self):
@@ -99,7 +104,7 @@ class EngineWorker:
             self._streams.clear()
         for stream in streams:
             stream.request.on_event = None
-            stream.push(Failure("the server is shutting down"))
+            stream.push(Failure("the server is shutting down", status=503))
 
     @property
     def alive(self) -> bool:
@@ -107,12 +112,12 @@ class EngineWorker:
 
     # -- requests (event-loop thread) ------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling, *, seed: int | None = None, want_drafts: bool = False,
-               constraint=None, images=None) -> RequestStream:
+               constraint=None, images=None, adapter: int = 0) -> RequestStream:
         """Queue a request (constraint: a dgemma.structured.TokenAutomaton or None; images: the prompt's
         dgemma.images.ImageInputs or None); raises QueueFull, or ValueError when it cannot fit the cache."""
         seed = secrets.randbits(63) if seed is None else seed
         request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=want_drafts, constraint=constraint,
-                          images=images)
+                          images=images, adapter=adapter)
         return self._submit([request])[0]
 
     def submit_scoring(self, prompts: list[list[int]], top: int) -> list[RequestStream]:
@@ -167,6 +172,8 @@ class EngineWorker:
             request = stream.request
             if event.finish_reason != "cancelled":
                 self._recent_seconds.append(time.perf_counter() - request.t_submit)
+            if self.observer is not None:
+                self.observer.request_finished(request)
         stream.push(event)
 
     def _run(self):
@@ -180,14 +187,21 @@ class EngineWorker:
         engine = self.engine
         # clear before looking, so a submit between the look and the wait still wakes us
         engine.wakeup.clear()
+        if self.between_steps is not None:
+            self.between_steps()
         if engine.has_work():
+            start = time.perf_counter()
             engine.step()
+            if self.observer is not None:
+                self.observer.engine_step(time.perf_counter() - start, len(engine.active))
         else:
             engine.wakeup.wait(timeout=1.0)
 
     def _recover(self, error: Exception):
         """Fail every request in flight and start over with a fresh engine (its cache state is suspect)."""
         self.failures += 1
+        if self.observer is not None:
+            self.observer.engine_failure()
         log.error("engine step failed; failing the requests in flight and rebuilding the engine", exc_info=error)
         message = f"the engine failed: {type(error).__name__}: {error}"
         error.__traceback__ = None  # the traceback's frames hold the old engine

@@ -69,6 +69,26 @@ def export_checkpoint(checkpoint: Path, out: Path, *, max_shard_bytes: int = SHA
     return Path(out)
 
 
+def export_adapter(checkpoint: Path, out: Path) -> Path | None:
+    """A LoRA checkpoint's adapters in PEFT's format (dgemma.model.adapters) at `out`; None, with the reason
+    on stderr, when they have no PEFT form (adapted experts)."""
+    import sys
+
+    from dgemma.model.adapters import AdapterError, write_peft_adapter
+    from dgemma.training.model_setup import resolve_model_config
+
+    config = TrainConfig.from_json(read_trainer_state(checkpoint)["config"])
+    adapters = {n: t for n, t in read_model_tensors(checkpoint).items() if ".lora_" in n}
+    model_config = resolve_model_config(config.model, config.init, config.model_overrides)
+    try:
+        return write_peft_adapter(out, adapters, rank=config.lora_rank, alpha=config.lora_alpha,
+                                  dropout=config.lora_dropout, base_model=config.model or config.init,
+                                  config=model_config)
+    except AdapterError as e:
+        print(f"note: adapter not written in PEFT's format: {e}; `dgemma export` merges it", file=sys.stderr)
+        return None
+
+
 def _with_adapters(part: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Base tensors `part` with the adapters that merge into them, named as the training model names them
     (`x.base.weight` beside `x.lora_A`; `...experts.gate_up_proj` beside `...experts.lora_gate_up_A`), which

@@ -27,7 +27,7 @@ from dgemma.config import ConfigError
 from dgemma.training import distributed as D
 from dgemma.training.config import TrainConfig
 from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
-from dgemma.training.export import export_checkpoint
+from dgemma.training.export import export_adapter, export_checkpoint
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
 from dgemma.training.model_setup import base_dtype, configure_trainable, resolve_model_config
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
@@ -187,6 +187,8 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     seconds = time.perf_counter() - t0
     if env.is_main:  # the last step always writes a checkpoint; one process streams it out (no gathering)
         export_checkpoint(checkpoint_dir(out, stop), out / "model")
+        if config.lora:  # the adapter alone too, as PEFT writes it: served by name (dgemma serve --lora)
+            export_adapter(checkpoint_dir(out, stop), out / "adapter")
         plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
         say(f"done: {out / 'model'}")
     records = metrics.read() if env.is_main else []

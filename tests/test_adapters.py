@@ -1,0 +1,100 @@
+"""LoRA adapters: `dgemma train --lora` writes RUN/adapter in PEFT's format, which peft loads onto the transformers
+model (the same logits as the merged export), and `dgemma serve --lora NAME=PATH` serves it by name beside the
+base model, with the merged export's tokens for each seed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from test_server import MODEL, ServerProcess
+from test_training import reversal_records, write_jsonl
+
+import dgemma
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory):
+    """A few LoRA steps on the tiny served model (its tokenizer makes it servable): RUN/model merged, RUN/adapter."""
+    from dgemma.training.loop import TrainConfig, train
+
+    tmp = tmp_path_factory.mktemp("lora")
+    data = write_jsonl(tmp / "task.jsonl", reversal_records(64))
+    torch.set_num_threads(1)
+    train(TrainConfig(data=str(data), out=str(tmp / "run"), model=str(tiny_model_dir), lora=True, lora_rank=4,
+                      lora_alpha=8, steps=6, batch_size=8, lr=2e-2, warmup_steps=1, save_every=6, progress=False))
+    return tmp / "run"
+
+
+@torch.no_grad()
+def test_peft_loads_the_adapter_onto_the_transformers_model(lora_run, tiny_model_dir):
+    from peft import PeftModel
+    from test_model_parity import hf_encode
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    assert {p.name for p in (lora_run / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    base = DiffusionGemmaForBlockDiffusion.from_pretrained(tiny_model_dir).eval()
+    adapted = PeftModel.from_pretrained(base, lora_run / "adapter").eval()
+    merged = DiffusionGemmaForBlockDiffusion.from_pretrained(lora_run / "model").eval()
+    ids, canvas = torch.randint(0, 128, (2, 12)), torch.randint(0, 128, (2, 16))
+    logits = {}
+    for name, hf in (("adapted", adapted.base_model.model), ("merged", merged)):
+        cache = DynamicCache(config=hf.config.text_config)
+        encoded = hf_encode(hf, ids, cache)
+        logits[name] = torch.cat([encoded, hf(decoder_input_ids=canvas, past_key_values=cache).logits], dim=1)
+    assert (logits["adapted"] - logits["merged"]).abs().max() <= 1e-4
+    with adapted.disable_adapter():  # the adapter is what makes the difference
+        cache = DynamicCache(config=base.config.text_config)
+        assert (hf_encode(base, ids, cache) - logits["merged"][:, :12]).abs().max() > 1e-3
+
+
+def test_adapters_served_by_name_beside_the_base_model(lora_run, tiny_model_dir):
+    from dgemma.engine import Engine
+    from dgemma.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(tiny_model_dir)
+    prompt = "hello world"
+    references = {}
+    for name, folder in (("ft", lora_run / "model"), (MODEL, tiny_model_dir)):
+        model = dgemma.load_model(folder)
+        for seed in (1, 2, 3):
+            request = Engine(model, max_batch=1, max_length=256).generate(
+                [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32), seeds=[seed])[0]
+            references[name, seed] = tokenizer.decode(request.tokens)
+    assert all(references["ft", s] != references[MODEL, s] for s in (1, 2, 3))  # the adapter changes the answers
+
+    s = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "6", "--lora", f"ft={lora_run / 'adapter'}")
+    try:
+        client = s.client()
+        listed = client.models.list().data
+        assert [m.id for m in listed] == [MODEL, "ft"] and listed[1].model_extra["parent"] == MODEL
+        jobs = [(name, seed) for seed in (1, 2, 3) for name in ("ft", MODEL)]  # one batch, rows of both
+
+        def ask(job):
+            out = client.completions.create(model=job[0], prompt=prompt, max_tokens=32, seed=job[1])
+            return out.model, out.choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = dict(zip(jobs, pool.map(ask, jobs)))
+        for job, (served_as, text) in answers.items():
+            assert served_as == job[0] and text == references[job], job
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="ft2", prompt=prompt, max_tokens=16)
+        assert caught.value.body["code"] == "model_not_found"
+    finally:
+        s.stop_cleanly()
+
+
+def test_an_adapter_of_another_base_model_is_refused(lora_run, tmp_path):
+    other = tmp_path / "other"
+    config = dgemma.get_preset("tiny").replace(max_position_embeddings=512)  # same shapes, another model
+    dgemma.save_pretrained(dgemma.DiffusionGemma(config), other)
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "serve", "--model", str(other), "--eager",
+                           "--lora", f"ft={lora_run / 'adapter'}"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "trained on another base model" in proc.stderr, proc.stderr
