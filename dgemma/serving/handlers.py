@@ -206,7 +206,7 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
         for stream in streams:
             while (item := await stream.next()).kind != "finished":
                 if item.kind == "error":
-                    raise APIError(500, item.message, type="server_error")
+                    raise APIError(item.status, item.message, type="server_error")
             if item.finish_reason != "scored":
                 raise APIError(500, "the request was cancelled", type="server_error")
     finally:
@@ -244,7 +244,7 @@ async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[st
     while True:
         item = await stream.next()
         if item.kind == "error":
-            raise APIError(500, item.message, type="server_error")
+            raise APIError(item.status, item.message, type="server_error")
         if item.kind == "draft":
             yield "draft", _draft_payload(state.codec, item)
             continue
