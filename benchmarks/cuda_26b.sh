@@ -4,7 +4,12 @@
 # the plain loop; a markdown table of the results. Meant to finish within 10 minutes on an H100 / H200
 # (each part has its own time limit and the table keeps whatever finished).
 #
-#   bash benchmarks/cuda_26b.sh [OUT_DIR]        (default: bench-26b-cuda/)
+#   bash benchmarks/cuda_26b.sh [OUT_DIR] [--tensor-parallel N]     (default: bench-26b-cuda/, one GPU)
+#
+# --tensor-parallel N splits the model over N GPUs (dgemma starts the N ranks; NCCL): each part then times
+# the split engine alone (`dgemma bench --tensor-parallel N`: tokens/s by batch, every rank's memory after
+# loading against the plan; each rank makes its slices' random weights itself). bf16 needs ~60/N GB free
+# per GPU.
 #
 # The published point to compare with: vLLM serves DiffusionGemma 26B-A4B at 1,008 tok/s on one H100 and
 # 1,288 tok/s on one H200 (batch 1, FP8, fixed 16 steps). transformers takes minutes per canvas at this
@@ -16,7 +21,14 @@
 # dgemma installed into it (needs the network once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-bench-26b-cuda}
+OUT=bench-26b-cuda
+TP=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --tensor-parallel) TP=(--tensor-parallel "$2"); shift 2 ;;
+    *) OUT=$1; shift ;;
+  esac
+done
 mkdir -p "$OUT"
 PY=${PYTHON:-}
 [[ -z "$PY" && -x .venv/bin/python ]] && PY=.venv/bin/python
@@ -41,7 +53,7 @@ EOF
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 COMMON=(--config diffusiongemma-26b-a4b --device cuda --batch 1,4,16 --steps 16 --prompt-len 128
-        --no-transformers --no-adaptive --no-startup --repeats 1 --check-tokens)
+        --no-transformers --no-adaptive --no-startup --repeats 1 --check-tokens ${TP[@]+"${TP[@]}"})
 part() {  # part NAME SECONDS ARGS...: one bench process; its JSON line (the last of stdout) goes to NAME.json
   local name=$1 limit=$2; shift 2
   echo "== $name (at most ${limit}s): dgemma bench ${COMMON[*]} $*" >&2
@@ -72,6 +84,13 @@ for name in ("bf16", "int8", "int4"):
         print(f"| {name} | did not finish (see {name}.err) | | | | | | |")
         continue
     result = json.loads(path.read_text())
+    if "tensor_parallel" in result:  # the split engine alone (--tensor-parallel)
+        plan = result["plan_weight_bytes_per_rank"] / 2**30
+        peak = max(m["peak_rss_after_load"] for m in result["memory_per_rank"]) / 2**30
+        for r in result["results"]:
+            print(f"| {name} | engine, {result['tensor_parallel']} ranks (plan {plan:.1f} GiB a rank, host peak "
+                  f"{peak:.1f} GiB) | {r['batch']} | {r['tokens_per_s']:,.0f} | - | - | - | - |")
+        continue
     check = result.get("tokens_check", {})
     for r in result["results"]:
         c = check.get(str(r["batch"]), {}) if r["system"].startswith("engine") else {}

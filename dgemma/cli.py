@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.config import ConfigError
     from dgemma.model.checkpoint import CheckpointError
+    from dgemma.model.parallel import SplitError
     from dgemma.tokenizer import TokenizerError
 
-    return (UsageError, ConfigError, CheckpointError, TokenizerError, FileNotFoundError, IsADirectoryError,
-            PermissionError)
+    return (UsageError, ConfigError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
+            IsADirectoryError, PermissionError)
 
 
 # Commands that generate: they free and reallocate (B, L, V)-sized buffers at every denoising step.
@@ -89,10 +90,15 @@ def _resolve_model_names(args):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed: what ranks and replicas run again
     if args.command in GENERATING and getattr(args, "keep_freed_memory", True):
         keep_freed_memory()
     try:
         _resolve_model_names(args)
+        if _tp().wanted(args):
+            code = _tp().launch_or_join(args, args.argv)
+            if code is not None:
+                return code
         return args._run(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -100,6 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     except expected_errors() as e:
         print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if getattr(args, "tp", None) is None:
+            raise
+        # a split model's rank whose collectives failed: another rank died or hangs
+        from dgemma.model.parallel import describe_failure
+
+        print(f"dgemma {args.command}: rank {args.tp.rank}: {describe_failure(e)}", file=sys.__stderr__)
+        return 1
+
+
+def _tp():
+    from dgemma.commands import _tensor_parallel
+
+    return _tensor_parallel
 
 
 if __name__ == "__main__":

@@ -194,6 +194,10 @@ def load_from_args(args, *, compile: bool = True):
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
+    if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices, eager
+        from dgemma.model.parallel_load import load_split_model
+
+        return load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
     model = apply_int8_compute(args, model)
     return maybe_compile(args, model) if compile else model

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 
+from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_compile_arguments,
@@ -56,6 +57,7 @@ def add_arguments(p):
                         "transformers' most)")
     p.add_argument("--plot", type=plot_file, default=None, help="PNG of tokens/s against batch size (needs dgemma[plot])")
     p.add_argument("--seed", type=int, default=0)
+    _tensor_parallel.add_arguments(p)  # with it: the engine alone on the split model, and memory per rank
 
 
 def _resolve(args):
@@ -85,6 +87,10 @@ def run(args):
     if not batches or batches[0] < 1 or args.steps < 1 or args.prompt_len < 1 or args.repeats < 1:
         raise UsageError("--batch, --steps, --prompt-len and --repeats must be >= 1")
     device, dtype = _resolve(args)
+    if args.tensor_parallel is not None:
+        from dgemma.commands.bench_split import run_split
+
+        return run_split(args, batches, device, dtype)
     torch.manual_seed(args.seed)
     model, name = _model(args, device, dtype)
     apply_int8_compute(args, model)

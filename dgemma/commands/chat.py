@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
@@ -18,6 +19,7 @@ from dgemma.commands._common import (
 
 def add_arguments(p):
     add_model_arguments(p, compile_by_default=True)
+    _tensor_parallel.add_arguments(p)
     p.add_argument("--system", default=None, help="a system message to start the conversation")
     p.add_argument("--show-drafts", action="store_true", help="draw each canvas live while it denoises")
     p.add_argument("--think", action="store_true",
@@ -75,13 +77,13 @@ def run(args):
     codec = TextCodec(tokenizer, model.config.vocab_size)
     template_kwargs = {"enable_thinking": True} if args.think else {}
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
+    interactive = _tensor_parallel.agree(args, sys.stdin.isatty)  # rank 0 reads; every rank runs each turn
     images, attached = [], []  # every image of the conversation, in order; those for the next message
     turn = 0
     while True:
         if interactive:
             console.print("[bold]you>[/] ", end="")
-        line = sys.stdin.readline()
+        line = _tensor_parallel.agree(args, sys.stdin.readline)
         if not line:  # end of input
             return 0
         if not line.strip():

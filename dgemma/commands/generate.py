@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
@@ -32,6 +33,7 @@ def add_arguments(p):
                             help="answer with JSON valid under this JSON schema (supported subset: docs/serving.md)")
     structured.add_argument("--json-object", action="store_true", help="answer with a JSON object")
     add_sampling_arguments(p)
+    _tensor_parallel.add_arguments(p)
 
 
 class TextStream:
@@ -133,7 +135,7 @@ def run(args):
     from dgemma.sampling import seed_or_random
     from dgemma.tokenizer import Tokenizer
 
-    text = read_prompt(args.prompt)
+    text = _tensor_parallel.agree(args, lambda: read_prompt(args.prompt))
     tokenizer = Tokenizer.from_folder(args.model)
     constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema or image fails at once
     images = open_images(args.image)
@@ -174,7 +176,7 @@ def run(args):
                 view.live.update("")
             stream.add(event.tokens)
 
-    seed = seed_or_random(sampling.seed)
+    seed = _tensor_parallel.agree(args, lambda: seed_or_random(sampling.seed))  # rank 0's draw, on every rank
     request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event,
                       constraint=constraint, images=image_inputs)
     try:

@@ -24,6 +24,9 @@ def add_arguments(p):
                    help="weight format for the memory model (default: the format a folder stores, else bf16)")
     p.add_argument("--batch", type=int, default=1, help="batch size for the memory model (default 1)")
     p.add_argument("--context", type=int, default=8192, help="tokens of context per request (default 8192)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="print the per-rank weight plan of the model split over N ranks (as --tensor-parallel N "
+                        "on generate, chat, serve and bench)")
     t = p.add_argument_group("training plan (--train): bytes per process under FSDP2")
     t.add_argument("--train", action="store_true", help="print the per-process training memory plan")
     t.add_argument("--world-size", type=int, default=1, help="processes the model is sharded over (default 1)")
@@ -197,6 +200,7 @@ def run(args):
           f"sliding layers hold {min(args.context, c.sliding_window - 1)} tokens, plus {c.canvas_length} canvas slots per layer)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
+    split = tensor_parallel_plan(config, args) if args.tensor_parallel else None
     plan = None
     if args.train:
         plan = training_plan(config, args)
@@ -205,5 +209,20 @@ def run(args):
     print(json.dumps({**{k: info[k] for k in ("total_params", "active_params", "vision_params", "weight_bytes")},
                       "memory": mem,
                       **({"checkpoint": checkpoint} if checkpoint else {}),
+                      **({"tensor_parallel": split} if split else {}),
                       **({"training_plan": plan} if plan else {})}))
     return 0
+
+
+def tensor_parallel_plan(config: ModelConfig, args) -> dict:
+    """The split over --tensor-parallel ranks (checked as loading checks it) and the weights each rank holds."""
+    from dgemma.model.parallel import SplitError, check_split, plan_bytes
+
+    try:
+        check_split(config, args.tensor_parallel, args.quantize if args.quantize != "bf16" else None)
+    except SplitError as e:
+        raise UsageError(str(e)) from None
+    per_rank = plan_bytes(config, args.tensor_parallel)
+    print(f"tensor parallel  {args.tensor_parallel} ranks; weights per rank: "
+          + ", ".join(f"{fmt} {_gb(n)}" for fmt, n in per_rank.items()))
+    return {"ranks": args.tensor_parallel, "weight_bytes_per_rank": per_rank}

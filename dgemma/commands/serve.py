@@ -9,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
@@ -20,8 +21,14 @@ from dgemma.commands._common import (
 )
 
 
+# After a rank of a split model is lost, rank 0 answers 503 this long (its launcher usually stops it
+# sooner), then exits non-zero.
+LOST_RANKS_GRACE_S = 10.0
+
+
 def add_arguments(p):
     add_model_arguments(p, compile_by_default=True)
+    _tensor_parallel.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; the chosen port is printed)")
@@ -78,7 +85,18 @@ def run(args):
     from dgemma.serving.app import create_app
 
     _check_arguments(args)
-    state = build_state(args)
+    server = None
+
+    def lost_ranks():
+        print(f"dgemma serve: {state.worker.fatal}; answering 503 to new work until stopped", file=sys.stderr,
+              flush=True)
+        import threading
+
+        threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+    state = build_state(args, on_fatal=lost_ranks)
+    if state is None:  # a rank other than 0 of a split model: it stepped with rank 0 until told to stop
+        return 0
     # Bind and listen before uvicorn starts, so the port is known (--port 0) and clients that connect
     # early wait in the backlog instead of being refused.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -97,6 +115,17 @@ def run(args):
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
                             log_config=_log_config(args.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
     GracefulServer(config, state, grace_seconds=args.shutdown_grace).run(sockets=[sock])
+    worker = state.worker
+    if worker.fatal:
+        return 1
+    if getattr(args, "tp", None) is not None:  # the lifespan stopped the engine thread: tell the other ranks
+        from dgemma.engine.lockstep import RanksLost
+
+        worker.engine.close()
+        try:
+            worker.engine.step()
+        except RanksLost:  # they were stopped already (the launcher passes a SIGTERM on to every rank)
+            pass
     if state.background_compile is not None and state.background_compile.running:
         sys.stdout.flush()  # a compile in progress has nothing to keep: don't wait for it
         sys.stderr.flush()
@@ -152,6 +181,8 @@ def _check_arguments(args):
 
 def _run_replicas(args):
     """`--replicas N`: N replicas of this server on Ray Serve (dgemma/serving/replicas.py)."""
+    if getattr(args, "tensor_parallel", None):
+        raise UsageError("--replicas and --tensor-parallel do not combine yet: each replica is one process")
     try:
         import ray  # noqa: F401  (the extra's presence, checked before anything is loaded)
     except ModuleNotFoundError as e:
@@ -259,8 +290,11 @@ def _port_for_ray(host: str, port: int) -> int:
         return sock.getsockname()[1]
 
 
-def build_state(args):
-    """The model loaded, its engine worker and codec: everything one server (or one replica) serves from."""
+def build_state(args, on_fatal=None):
+    """The model loaded, its engine worker and codec: everything one server (or one replica) serves from.
+    None on the ranks other than 0 of a split model (--tensor-parallel), once rank 0 has told them to stop;
+    `on_fatal()` runs on rank 0 when the ranks are lost."""
+    from dgemma.engine import Engine
     from dgemma.chat.codec import TextCodec
     from dgemma.serving.state import ServerState
     from dgemma.serving.worker import EngineWorker
@@ -276,11 +310,20 @@ def build_state(args):
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(args, folder, model) if task == "text" else None
     set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
-    worker = EngineWorker(model, max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    engine_args = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    engine_class = Engine
+    if getattr(args, "tp", None) is not None:
+        from dgemma.engine.lockstep import LockstepEngine
+
+        if args.tp.rank != 0:  # the other ranks step with rank 0 until it says stop
+            LockstepEngine(model, **engine_args).follow()
+            return None
+        engine_class = LockstepEngine
+    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal)
     background = None
     if adapters:
         print("dgemma serve: LoRA adapters run on the eager step", file=sys.stderr)
-    elif wants_compile(args, model):  # the eager step answers meanwhile
+    elif getattr(args, "tp", None) is None and wants_compile(args, model):  # the eager step answers meanwhile
         from dgemma.serving.fast_start import BackgroundCompile
 
         background = BackgroundCompile(worker, compile_mode(args, model))

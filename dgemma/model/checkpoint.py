@@ -321,7 +321,22 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         raise CheckpointError(f"{path}: the weights are stored in {saved_as}; load them as they are (without "
                               f"--quantize) or quantise the unquantised checkpoint to {quantize}")
     quantised = swap_modules(model, quantize) if quantize and not saved_as else {}  # filled as they are read
-    raw = quantised_tensors(model) if saved_as else {}  # stored codes and scales: read in their own dtypes
+    read_weights(model, path, plan, stored, device, dtype, quantised)
+    model.quantization = saved_as or quantize
+    if cpu_int4_kernel:
+        use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
+    model.load_report = plan.report
+    return model.eval()
+
+
+def read_weights(model, path: Path, plan: LoadPlan, stored: dict[str, StoredTensor], device, dtype: torch.dtype,
+                 quantised: dict[str, torch.nn.Module],
+                 part: Callable[[str], tuple[slice, ...] | None] = lambda name: None):
+    """Fill a meta-device model from the shards, one shard open at a time. `quantised`: our name -> the module
+    that quantises that dense tensor as it is read; codes and scales a folder stores are read in their own
+    dtypes. `part(name)`: the index of the part of the stored tensor to read (a tensor-parallel rank's
+    slice, read through `get_slice`), or None for all of it."""
+    raw = quantised_tensors(model) if model.quantization else {}  # stored codes and scales
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, key in plan.sources.items():
         by_file[stored[key].file].append(name)
@@ -330,9 +345,9 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
         try:
             with safe_open(str(file), "pt", device="cpu") as f:
                 for name in names:
-                    key = plan.sources[name]
+                    key, index = plan.sources[name], part(name)
                     try:
-                        tensor = f.get_tensor(key)
+                        tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
                     except (SafetensorError, OSError, RuntimeError) as e:
                         raise CheckpointError(f"{file}: cannot read {key} ({e})") from None
                     target = raw.get(name) or (dtype if tensor.is_floating_point() else tensor.dtype)
@@ -349,12 +364,6 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quanti
     left = [k for k in missing if not k.endswith(("qweight", "scales", "_q"))]
     if left or unexpected:
         raise CheckpointError(f"{path}: internal mismatch loading {left or unexpected}")
-    del loaded
-    model.quantization = saved_as or quantize
-    if cpu_int4_kernel:
-        use_cpu_int4_kernel(model)  # bf16 int4 on a CPU: torch's int4 matmul
-    model.load_report = plan.report
-    return model.eval()
 
 
 # -- saving ---------------------------------------------------------------------------------------------

@@ -261,6 +261,11 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens.weight.device
 
     @property
+    def cache_config(self) -> ModelConfig:
+        """The config the KV cache is shaped by (a rank of a split model holds only its KV heads)."""
+        return self.config
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
@@ -270,7 +275,7 @@ class DiffusionGemma(nn.Module):
                 f"max_length={max_length} exceeds the model's context of {self.config.max_position_embeddings}"
             )
         return KVCache(
-            self.config, batch_size, max_length, keep_all=keep_all,
+            self.cache_config, batch_size, max_length, keep_all=keep_all,
             device=device or self.device, dtype=dtype or self.dtype,
         )
 

@@ -19,12 +19,15 @@ from dgemma.model.quant import (GROUP_SIZE, QuantExperts, cpu_int4_kernel_applie
 @torch.no_grad()
 def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torch.float32,
                  quantize: str | None = None, seed: int = 0,
-                 sampling_config: SamplingConfig | None = None) -> DiffusionGemma:
+                 sampling_config: SamplingConfig | None = None, reshape=None) -> DiffusionGemma:
     """Matrices normal(0, initializer_range) (quantised: codes uniform over the levels, the same spread),
     norms and scales ones, as `DiffusionGemma.reset_parameters` does; the values depend on `seed` and on
-    the device's generator."""
+    the device's generator. `reshape(model)` changes the meta-device model before it is filled (a rank's
+    part of a split model: `dgemma.model.parallel.split_model`)."""
     with torch.device("meta"):
         model = DiffusionGemma(config, sampling_config).to(dtype)
+    if reshape is not None:
+        model = reshape(model)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     quantised = swap_modules(model, quantize) if quantize else {}
     gen = torch.Generator(device=device).manual_seed(seed)

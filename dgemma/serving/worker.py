@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dgemma.engine import Engine, Event, QueueFull, Request
+from dgemma.engine.lockstep import RanksLost
 
 log = logging.getLogger("dgemma.serve")
 
@@ -69,10 +70,14 @@ class RequestStream:
 
 
 class EngineWorker:
-    def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None):
+    def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None,
+                 engine_class=Engine, on_fatal=None):
+        """engine_class: Engine, or LockstepEngine on rank 0 of a split model; there a failed step is fatal
+        (the ranks are out of step): `fatal` says why, new work is refused (503) and `on_fatal()` runs."""
         self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length)
         self.model = model
-        self.engine = Engine(model, **self._engine_args)
+        self.engine_class, self.on_fatal, self.fatal = engine_class, on_fatal, None
+        self.engine = engine_class(model, **self._engine_args)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_length = self.engine.max_length  # positions per request, prompt and output
         self._lock = threading.Lock()  # guards `engine` (replaced after a failure) and `_streams`, nothing else
@@ -97,14 +102,14 @@ class EngineWorker:
         engine = self.engine
         if engine is not None:
             engine.wakeup.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
             stream.request.on_event = None
-            stream.push(Failure("the server is shutting down", status=503))
+            stream.push(Failure(self.fatal or "the server is shutting down", status=503))
 
     @property
     def alive(self) -> bool:
@@ -180,6 +185,11 @@ class EngineWorker:
         while not self._stopping.is_set():
             try:
                 self._step_or_wait()
+            except RanksLost as error:
+                self.fatal = str(error)
+                self.stop(timeout=0)
+                if self.on_fatal is not None:
+                    self.on_fatal()
             except Exception as error:  # e.g. out of memory: fail the requests, not the server
                 self._recover(error)
 
@@ -210,7 +220,7 @@ class EngineWorker:
             self._streams.clear()
             self.engine = None  # let the old cache go before the new one is allocated
             try:
-                self.engine = Engine(self.model, **self._engine_args)
+                self.engine = self.engine_class(self.model, **self._engine_args)
             except Exception:
                 log.exception("could not rebuild the engine; the server stops taking requests")
                 self._stopping.set()

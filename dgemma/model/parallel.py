@@ -1,0 +1,352 @@
+"""The network split over N ranks of a torch.distributed process group (tensor and expert parallel).
+
+Per layer, after transformers' `base_model_tp_plan` / `base_model_ep_plan` for DiffusionGemma:
+  attention   -- by query heads: q_proj column-split, o_proj row-split, one all-reduce of o_proj's partial
+                 sums. KV heads are split where a layer has at least N of them; where it has fewer, each
+                 rank keeps the one KV head its query heads read (a KV head replicated over N / kv ranks:
+                 the 26B's full layers have 2 global KV heads).
+  dense MLP   -- gate/up column-split, down row-split (partial sums).
+  experts     -- expert parallel: rank r holds experts [r E/N, (r+1) E/N); the router is replicated (as
+                 in both plans: every rank routes every token the same way) and each rank runs only the
+                 (token, choice) entries of its own experts. The dense MLP's and the experts' partial
+                 sums go through ONE all-reduce per layer (stacked), because each is normed before they
+                 are added.
+  vocabulary  -- the tied embedding is split by rows (rank r: tokens [r V/N, (r+1) V/N)): a lookup zeroes
+                 the tokens other ranks hold and all-reduces (vLLM's VocabParallelEmbedding), the LM head
+                 all-gathers the ranks' logits, and the self-conditioning soft embedding multiplies each
+                 rank's columns of the probabilities by its rows and all-reduces.
+Replicated: norms, router, the self-conditioning MLP (outside the plans' `layers.*`), the vision tower.
+
+The collectives are hand-written c10d calls, each named where it runs, rather than DTensor's
+`parallelize_module`: the weights are plain local tensors because each rank loads only its slice from
+the shards (`dgemma.model.parallel_load`) and quantises it into dgemma's int8/int4 modules, which are
+not DTensor-aware, and a DTensor's per-op dispatch would sit on each of a denoising step's few hundred
+small ops. The process group comes from a DeviceMesh (`torch.distributed.device_mesh.init_device_mesh`).
+Split models run eagerly (`compile_decoder` says so once).
+
+The split keeps every module and parameter name, so a checkpoint's keys map one to one onto slices; the
+split classes below are the network's own classes with forwards that add the collectives, swapped in
+place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard` does).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dgemma.config import ModelConfig
+from dgemma.model.experts import Experts
+from dgemma.model.network import Attention, Block, DiffusionGemma
+from dgemma.model.quant import GROUP_SIZE
+
+
+# How long a collective may wait for the other ranks before this one gives up (a dead or hung rank). The
+# engine's ranks meet at least every few seconds even when idle (dgemma.engine.lockstep), so this bounds
+# how long a failure goes unnoticed.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SplitError(ValueError):
+    """A number of ranks the model (or its stored quantised layout) cannot be split over; one line naming
+    the constraint."""
+
+
+# -- the plan: which slice of every tensor a rank holds ----------------------------------------------
+@dataclass(frozen=True)
+class Slice:
+    """Rows [start, stop) of `size` along `dim`, scaled to the tensor at hand: a dense weight's slice and
+    the same slice of its int8/int4 codes (two int4 codes a byte) and scales (one per group), which
+    group-aligned bounds keep in step."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+    def index(self, shape) -> tuple[slice, ...]:
+        n = shape[self.dim]
+        return (*(slice(None),) * self.dim, slice(self.start * n // self.size, self.stop * n // self.size))
+
+
+def even(dim: int, part: int, parts: int, size: int) -> Slice:
+    """Part `part` of `parts` equal chunks of a dim `size` long."""
+    return Slice(dim, part * size // parts, (part + 1) * size // parts, size)
+
+
+def kv_slice(kv_heads: int, ranks: int, rank: int, head_dim: int) -> Slice:
+    """Which KV heads rank `rank` keeps: kv / N of them where there are >= N, else the one its query heads
+    read (query heads are grouped contiguously onto KV heads)."""
+    if kv_heads >= ranks:
+        return even(0, rank, ranks, kv_heads * head_dim)
+    return even(0, rank * kv_heads // ranks, kv_heads, kv_heads * head_dim)
+
+
+def mlp_slice(intermediate: int, ranks: int, rank: int, quantization: str | None) -> tuple[int, int]:
+    """This rank's columns [start, stop) of the dense MLP: as even as whole quantisation groups allow (the
+    26B's 2112 over 4 ranks in int4: 544, 544, 512, 512), so down_proj's row split falls on group bounds."""
+    unit = quant_group(intermediate, quantization) if quantization else 1
+    units = intermediate // unit
+    return rank * units // ranks * unit, (rank + 1) * units // ranks * unit
+
+
+def quant_group(in_features: int, fmt: str) -> int:
+    """The input-dim group of dgemma's int8/int4 layout for a weight `in_features` wide (quant.py)."""
+    return GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
+
+
+def check_split(config: ModelConfig, ranks: int, quantization: str | None = None, device: str = "cpu"):
+    """SplitError naming the first constraint `ranks` breaks; reads nothing but the config.
+
+    quantization: the int8/int4 layout the weights are stored in or will be quantised to: a row-split
+    weight (o_proj, the dense down_proj) splits along its input dim, which must fall on group bounds so
+    that every rank's groups are the groups of one process."""
+    if ranks < 1:
+        raise SplitError(f"--tensor-parallel must be >= 1, got {ranks}")
+    if device.startswith("cuda") and ranks > torch.cuda.device_count():
+        raise SplitError(f"--tensor-parallel {ranks} needs {ranks} GPUs, torch sees {torch.cuda.device_count()}")
+    if ranks == 1:
+        return
+    c = config
+    needs = [(c.num_heads, "attention heads (num_attention_heads)"),
+             (c.num_experts, "routed experts (num_experts)"),
+             (c.vocab_size, "the vocabulary (vocab_size)")]
+    for count, what in needs:
+        if count % ranks:
+            raise SplitError(f"--tensor-parallel {ranks} does not divide the {count} {what}")
+    for kv, what in ((c.num_kv_heads, "sliding"), (c.num_global_kv_heads, "full")):
+        if kv % ranks and ranks % kv:
+            raise SplitError(f"--tensor-parallel {ranks} neither divides nor is a multiple of the {kv} KV heads of "
+                             f"the {what} attention layers")
+    widths = {c.num_heads * c.head_dim: "o_proj (sliding layers)"}
+    if any(not c.is_sliding(i) for i in range(c.num_layers)):
+        widths[c.num_heads * c.global_head_dim] = "o_proj (full layers)"
+    for width, name in widths.items() if quantization else ():
+        group = quant_group(width, quantization)
+        if (width // ranks) % group:
+            raise SplitError(f"{quantization} weights of {name} ({width} inputs in groups of {group}) cannot split "
+                             f"into {ranks} slices on group bounds; use another --tensor-parallel")
+    group = quant_group(c.intermediate_size, quantization) if quantization else 1
+    if c.intermediate_size // group < ranks:
+        how = f" in {quantization} groups of {group}" if quantization else ""
+        raise SplitError(f"the dense MLP's {c.intermediate_size} columns{how} cannot split over {ranks} ranks")
+
+
+def parameter_slices(config: ModelConfig, ranks: int, rank: int, quantization: str | None = None) -> dict[str, Slice]:
+    """Our dense parameter name -> the slice rank `rank` holds; names not listed are replicated."""
+    inner = config.intermediate_size
+    out: dict[str, Slice] = {"embed_tokens.weight": even(0, rank, ranks, config.vocab_size)}
+    start, stop = mlp_slice(inner, ranks, rank, quantization)
+    for i in range(config.num_layers):
+        p, d = f"layers.{i}.", config.layer_head_dim(i)
+        kv = kv_slice(config.layer_kv_heads(i), ranks, rank, d)
+        out[p + "self_attn.q_proj.weight"] = even(0, rank, ranks, config.num_heads * d)
+        out[p + "self_attn.k_proj.weight"] = kv
+        if config.is_sliding(i):
+            out[p + "self_attn.v_proj.weight"] = kv
+        out[p + "self_attn.o_proj.weight"] = even(1, rank, ranks, config.num_heads * d)
+        out[p + "mlp.gate_proj.weight"] = out[p + "mlp.up_proj.weight"] = Slice(0, start, stop, inner)
+        out[p + "mlp.down_proj.weight"] = Slice(1, start, stop, inner)
+        out[p + "experts.gate_up_proj"] = out[p + "experts.down_proj"] = even(0, rank, ranks, config.num_experts)
+    return out
+
+
+def stored_slice(name: str, slices: dict[str, Slice]) -> Slice | None:
+    """The slice of a stored tensor: a dense weight's own, or that of the weight whose int8/int4 codes or
+    scales it holds (`QuantLinear.qweight/.scales`, `QuantExperts.<name>_q/_scales`)."""
+    if name in slices:
+        return slices[name]
+    prefix, leaf = name.rsplit(".", 1)
+    if leaf in ("qweight", "scales"):
+        return slices.get(prefix + ".weight")
+    for base in ("gate_up_proj", "down_proj"):
+        if leaf in (f"{base}_q", f"{base}_scales"):
+            return slices.get(f"{prefix}.{base}")
+    return None
+
+
+# -- the collectives ----------------------------------------------------------------------------------
+@dataclass
+class TensorParallel:
+    """This rank's place in the split: its process group, rank and the number of ranks."""
+
+    group: dist.ProcessGroup
+    rank: int
+    ranks: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim."""
+        parts = [torch.empty_like(t) for _ in range(self.ranks)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class SplitAttention(Attention):
+    """This rank's query heads (and their KV heads); o_proj's partial sums all-reduced."""
+
+    tp: TensorParallel
+
+    def attend(self, q, k, v, mask):
+        return self.tp.all_reduce(super().attend(q, k, v, mask))  # collective: all-reduce of o_proj
+
+
+class SplitBlock(Block):
+    """A block whose dense MLP is this rank's columns and whose experts are this rank's E/N."""
+
+    tp: TensorParallel
+    first_expert: int
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (n, H)
+        dense = self.mlp(self.pre_feedforward_layernorm(x)).reshape_as(flat)  # partial sum over ranks
+        weights, experts = self.router(flat)  # replicated: every rank routes alike
+        routed = self._local_experts(self.pre_feedforward_layernorm_2(flat), weights, experts)  # partial sum
+        # collective: ONE all-reduce of the dense MLP's and the experts' partial sums, stacked
+        dense, routed = self.tp.all_reduce(torch.stack([dense, routed])).unbind(0)
+        dense = self.post_feedforward_layernorm_1(dense.view_as(x))
+        routed = self.post_feedforward_layernorm_2(routed.view_as(x))
+        return x + self.post_feedforward_layernorm(dense + routed)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x (n, H), weights/experts (n, k) over all E experts -> (n, H): the weighted sum of the choices that
+        fall on this rank's experts (zero rows for tokens with none). One host read: which entries are ours."""
+        k = experts.shape[1]
+        local = experts.reshape(-1) - self.first_expert  # (n k,) expert id among ours
+        mine = ((local >= 0) & (local < self.experts.gate_up_proj.shape[0])).nonzero()[:, 0]
+        out = torch.zeros_like(x)
+        if mine.numel():
+            tokens = mine // k
+            y = self.experts(x[tokens], weights.reshape(-1)[mine, None], local[mine, None])  # (m, H), k = 1 each
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class SplitDiffusionGemma(DiffusionGemma):
+    """The network over this rank's slices; logits come out whole (all-gathered) on every rank."""
+
+    tp: TensorParallel
+    local_config: ModelConfig  # the heads this rank holds: what its KV cache is shaped by
+    vocab_start: int
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.embed_tokens.weight.shape[0]
+        local = ids - self.vocab_start
+        ours = (local >= 0) & (local < rows)
+        x = self.embed_tokens(local.clamp(0, rows - 1)) * ours[..., None].to(self.dtype)
+        return self.tp.all_reduce(x) * self.embed_scale()  # collective: all-reduce of the vocabulary slices
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # (..., V/N) this rank's tokens
+        cap = self.config.final_logit_softcapping
+        logits = torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap  # cap tanh(z / cap), see DiffusionGemma.head
+        return self.tp.all_gather_last(logits)  # collective: all-gather of the vocabulary slices
+
+    def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        rows = self.embed_tokens.weight.shape[0]
+        ours = probs[..., self.vocab_start : self.vocab_start + rows].to(self.dtype)
+        # collective: all-reduce of each rank's columns of the probabilities times its rows of the table
+        return self.tp.all_reduce(ours @ self.embed_tokens.weight) * self.embed_scale()
+
+    @property
+    def cache_config(self) -> ModelConfig:
+        return self.local_config  # the cache holds this rank's KV heads
+
+    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None):
+        print("note: a tensor-parallel model runs eagerly (its collectives are not compiled)", file=sys.stderr)
+        return self
+
+
+def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
+    """This process's place among the ranks torch.distributed's launcher started (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT in the environment): NCCL on CUDA, gloo on a CPU, every collective bounded by
+    `timeout_s` (a rank that died or hangs ends the others' waits with an error instead of a hang)."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+    return TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size())
+
+
+def describe_failure(error: BaseException) -> str:
+    """What a failed collective says, in one line, without gloo's source location and advice: 'Connection
+    closed by peer [127.0.0.1]:48837'."""
+    text = (str(error).splitlines() or [""])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0] or type(error).__name__
+
+
+def local_config(config: ModelConfig, ranks: int) -> ModelConfig:
+    """The config with this rank's head counts (the same on every rank)."""
+    return config.replace(num_heads=config.num_heads // ranks, num_kv_heads=max(1, config.num_kv_heads // ranks),
+                          num_global_kv_heads=max(1, config.num_global_kv_heads // ranks))
+
+
+def _linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device=like.weight.device, dtype=like.weight.dtype)
+
+
+@torch.no_grad()
+def split_model(model: DiffusionGemma, tp: TensorParallel, quantization: str | None = None) -> SplitDiffusionGemma:
+    """Reshape a (meta-device, unquantised) model in place into this rank's part, with the dense MLP split
+    on the group bounds of `quantization`; returns it."""
+    config, N, r = model.config, tp.ranks, tp.rank
+    check_split(config, N, quantization)
+    start, stop = mlp_slice(config.intermediate_size, N, r, quantization)
+    mine = local_config(config, N)
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        q_heads, kv_heads = config.num_heads // N, mine.layer_kv_heads(i)
+        h, d = config.hidden_size, attn.head_dim
+        attn.q_proj = _linear(h, q_heads * d, attn.q_proj)
+        attn.k_proj = _linear(h, kv_heads * d, attn.k_proj)
+        if attn.v_proj is not None:
+            attn.v_proj = _linear(h, kv_heads * d, attn.v_proj)
+        attn.o_proj = _linear(q_heads * d, h, attn.o_proj)
+        attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
+        attn.__class__, attn.tp = SplitAttention, tp
+        mlp, inner = block.mlp, stop - start
+        mlp.gate_proj, mlp.up_proj = _linear(h, inner, mlp.gate_proj), _linear(h, inner, mlp.up_proj)
+        mlp.down_proj = _linear(inner, h, mlp.down_proj)
+        experts = config.num_experts // N
+        with torch.device(block.experts.gate_up_proj.device):  # the meta device: nothing allocated
+            block.experts = Experts(config.replace(num_experts=experts)).to(block.experts.gate_up_proj.dtype)
+        block.__class__, block.tp, block.first_expert = SplitBlock, tp, r * experts
+    rows = config.vocab_size // N
+    old = model.embed_tokens.weight
+    model.embed_tokens = nn.Embedding(rows, config.hidden_size, device=old.device, dtype=old.dtype)
+    model.__class__, model.tp, model.local_config, model.vocab_start = SplitDiffusionGemma, tp, mine, r * rows
+    return model
+
+
+def plan_bytes(config: ModelConfig, ranks: int) -> dict[str, int]:
+    """Weight bytes one rank holds, by format: bf16, int8 and int4 (quantised as dgemma quantises: every
+    linear and expert tensor but the router and the vision tower, one fp16 scale per group; the embedding
+    stays bf16). Rank 0's share, the largest (uneven MLP splits put the extra groups first)."""
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    cost = {"bf16": 2.0, "int8": 1 + 2 / GROUP_SIZE["int8"], "int4": 0.5 + 2 / GROUP_SIZE["int4"]}  # + fp16 scales
+    out = {}
+    for fmt, per_weight in cost.items():
+        slices = parameter_slices(config, ranks, 0, None if fmt == "bf16" else fmt)
+        total = 0.0
+        for name, p in model.named_parameters():
+            n = p.numel() * (slices[name].stop - slices[name].start) // slices[name].size if name in slices \
+                else p.numel()
+            quantised = p.dim() >= 2 and "router" not in name and not name.startswith(
+                ("vision_tower", "embed_vision", "embed_tokens"))
+            total += n * per_weight if quantised else 2 * n
+        out[fmt] = round(total)
+    return out

@@ -1,0 +1,48 @@
+"""Loading one rank's part of a split model (`dgemma.model.parallel`): every split tensor is read as its
+slice from the safetensors shards (`safe_open(...).get_slice`), never whole; int8/int4 loads quantise the
+slice (or read the slice of the stored codes and scales). Everything is checked (config, headers, every
+key's fate, the split's constraints) before the first weight is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dgemma.model.checkpoint import CheckpointError, open_checkpoint, read_weights
+from dgemma.model.network import DiffusionGemma
+from dgemma.model.parallel import TensorParallel, check_split, parameter_slices, split_model, stored_slice
+from dgemma.model.quant import swap_modules, use_cpu_int4_kernel
+
+
+def load_split_model(path, tp: TensorParallel, device="cpu", dtype: torch.dtype = torch.float32, *,
+                     quantize: str | None = None, cpu_int4_kernel: bool = True) -> DiffusionGemma:
+    """This rank's part of the model in a checkpoint folder (arguments as `dgemma.model.load_model`)."""
+    path = Path(path)
+    full, plan, stored = open_checkpoint(path, dtype)  # the whole model on the meta device: headers only
+    saved_as = full.quantization
+    if saved_as and quantize not in (None, saved_as):
+        raise CheckpointError(f"{path}: the weights are stored in {saved_as}; load them as they are (without "
+                              f"--quantize) or quantise the unquantised checkpoint to {quantize}")
+    fmt = saved_as or quantize
+    check_split(full.config, tp.ranks, fmt, str(device))
+    with torch.device("meta"):
+        model = DiffusionGemma(full.config, full.sampling_config).to(dtype)
+    model.hf_config, model.hf_generation_config, model.source_dir = full.hf_config, full.hf_generation_config, path
+    split_model(model, tp, fmt)
+    quantised = swap_modules(model, fmt) if fmt else {}
+    if saved_as:
+        model.quantization, quantised = saved_as, {}  # codes and scales are read as stored
+    slices = parameter_slices(full.config, tp.ranks, tp.rank, fmt)
+
+    def part(name: str):
+        piece = stored_slice(name, slices)
+        return None if piece is None else piece.index(stored[plan.sources[name]].shape)
+
+    read_weights(model, path, plan, stored, device, dtype, quantised, part)
+    model.quantization = fmt
+    if cpu_int4_kernel:
+        use_cpu_int4_kernel(model)
+    model.load_report = plan.report
+    return model.eval()

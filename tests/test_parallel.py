@@ -1,0 +1,258 @@
+"""The model split over 2 ranks (gloo, CPU): logits against one process, the split's checks, the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import make_hf_model
+
+# 4 query heads, 2 KV heads (sliding), 1 global KV head (full layers: replicated), 8 experts top-2; widths
+# such that o_proj's and down_proj's row splits fall on int8 group bounds (64)
+SPLIT_TEXT = dict(head_dim=32, global_head_dim=64, intermediate_size=128, num_experts=8)
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("split-hf")
+    make_hf_model("alternating", seed=3, text=SPLIT_TEXT).save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, ranks: int, *args):
+    """Run fn(rank, *args) in `ranks` processes joined in one gloo group on loopback."""
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
+    saved = {name: os.environ.get(name) for name in group}
+    os.environ.update(group)  # the children read them; this process must not keep them (it is no rank)
+    try:
+        mp.spawn(_rank_main, args=(fn, args), nprocs=ranks, join=True)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _rank_main(rank, fn, args):
+    os.environ["RANK"] = str(rank)
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def passes(model):
+    """Encoder logits over a padded batch, then decoder logits with and without self-conditioning."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :2] = False
+    with torch.no_grad():
+        cache = model.new_cache(2, 64)
+        enc = model.encode(ids, cache, attention_mask=mask)
+        canvas = torch.randint(0, model.config.vocab_size, (2, model.config.canvas_length), generator=g)
+        first = model.denoise(canvas, cache)
+        second = model.denoise(canvas, cache, self_conditioning_logits=first)
+    return {"encode": enc, "denoise": first, "denoise_sc": second}
+
+
+def engine_tokens(model):
+    """A batch of 4 prompts of different lengths through the engine (seeded, two canvases at most)."""
+    from dgemma.engine import Engine
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 5, 14)]
+    sampling = model.sampling_config.replace(max_new_tokens=2 * model.config.canvas_length, max_denoising_steps=6,
+                                             eos_token_ids=(1,), seed=7)
+    return [r.tokens for r in Engine(model, max_batch=4, max_length=64).generate(prompts, sampling)]
+
+
+def loop_and_scores(model):
+    """The plain loop's tokens (two prompts, one batch) and the engine's prompt scores (evaluation harnesses)."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+
+    sampling = model.sampling_config.replace(max_new_tokens=model.config.canvas_length, max_denoising_steps=4,
+                                             eos_token_ids=(1,))
+    tokens = generate(model, [[5, 6, 7], [9, 10, 11]], sampling, seed=2).tokens
+    scored = Engine(model, max_batch=2, max_length=64).score([[4, 8, 15, 16, 23, 42], [3, 5]], top=2)
+    return {"loop": [list(t) for t in tokens], "scores": [r.scores.token_logprobs for r in scored]}
+
+
+def _split_passes(rank, folder, out):
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    tp = join("cpu")
+    results = {}
+    for quantize in (None, "int8"):
+        model = load_split_model(folder, tp, quantize=quantize)
+        assert model.embed_tokens.weight.shape[0] == model.config.vocab_size // 2
+        assert model.layers[0].experts.gate_up_proj.shape[0] == 4  # 8 experts, 4 a rank
+        results[quantize] = {**passes(model), "tokens": engine_tokens(model), **loop_and_scores(model)}
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_split_logits_match_one_process(split_checkpoint, tmp_path):
+    """fp32 and int8 (each rank quantises its slices): encoder and decoder logits within 1e-5; the engine's
+    tokens for a batch of 4 prompts of different lengths, the plain loop's tokens and the engine's prompt
+    scores the same."""
+    from dgemma.model import load_model
+
+    out = tmp_path / "split.pt"
+    spawn_ranks(_split_passes, 2, split_checkpoint, out)
+    split = torch.load(out)
+    for quantize in (None, "int8"):
+        model = load_model(split_checkpoint, quantize=quantize)
+        tokens = engine_tokens(model)
+        assert split[quantize].pop("tokens") == tokens
+        assert sum(map(len, tokens)) > 40  # past one canvas: commits went through the split encoder too
+        expected = loop_and_scores(model)
+        assert split[quantize].pop("loop") == expected["loop"]
+        for ours, theirs in zip(split[quantize].pop("scores"), expected["scores"]):
+            assert (ours - theirs).abs().max() < 1e-5
+        for name, logits in passes(model).items():
+            assert split[quantize][name].shape == logits.shape
+            err = (split[quantize][name] - logits).abs().max().item()
+            assert err < 1e-5, f"{quantize} {name}: {err}"
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    """The process of a rank among the launcher's children (its RANK in its environment)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher_pid and f"RANK={rank}".encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
+                return int(stat.parent.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    raise AssertionError(f"no rank {rank} under {launcher_pid}")
+
+
+def served_answers(client) -> list:
+    """A chat answer, a JSON-schema answer and a tool call, each seeded."""
+    from test_server import MODEL
+    from test_server_tools import WEATHER
+
+    ask = [{"role": "user", "content": "hello world"}]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    chat = client.chat.completions.create(model=MODEL, messages=ask, seed=3, max_tokens=32)
+    answer = client.chat.completions.create(model=MODEL, messages=ask, seed=4, max_tokens=48, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    call = client.chat.completions.create(model=MODEL, messages=ask, seed=5, max_tokens=48, tools=[WEATHER],
+                                          tool_choice="required")
+    json.loads(answer.choices[0].message.content)  # valid JSON, as the schema constrains it
+    assert call.choices[0].message.tool_calls[0].function.name == "get_weather"
+    return [chat.choices[0].message.content, answer.choices[0].message.content,
+            [(c.function.name, c.function.arguments) for c in call.choices[0].message.tool_calls]]
+
+
+def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_model_dir):
+    """Through the openai client: a chat, a JSON-schema answer and a tool call from `dgemma serve
+    --tensor-parallel 2` (dgemma starts the ranks itself) equal one process's. Then rank 1 is killed: rank 0
+    answers 503 to new work, and the launcher ends every rank within 60 s with one line naming rank 1."""
+    from test_server import ServerProcess
+
+    one = ServerProcess(gemma4_chat_model_dir)
+    try:
+        expected = served_answers(one.client())
+    finally:
+        one.stop_cleanly()
+    split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2")
+    try:
+        assert served_answers(split.client()) == expected
+        os.kill(_rank_pid(split.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        statuses = set()
+        while split.proc.poll() is None and time.monotonic() - killed < 60:
+            try:
+                statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
+                                        timeout=10).status_code)
+            except httpx.TransportError:
+                statuses.add("refused")
+            time.sleep(0.2)
+        code = split.proc.wait(5)
+        errors = split.proc.stderr.read()
+    finally:
+        split.stop()
+    assert code not in (0, None) and time.monotonic() - killed < 60
+    assert 503 in statuses and 200 not in statuses, statuses
+    assert "dgemma: rank 1 of 2 ended (signal SIGKILL); the other ranks were stopped" in errors, errors
+    assert "Traceback" not in errors, errors
+
+
+def test_generate_under_torchrun_equals_one_process(tiny_model_dir, capsys):
+    """`torchrun --nproc-per-node 2 -m dgemma generate --chat` prints what one process prints (rank 0 alone)."""
+    import subprocess
+    import sys
+
+    from dgemma.cli import main
+
+    flags = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello world", "--chat", "--json", "--seed", "3",
+             "--max-new-tokens", "40", "--steps", "6"]
+    assert main(flags) == 0
+    expected = json.loads(capsys.readouterr().out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "dgemma", *flags], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout  # rank 1 prints nothing
+    split = json.loads(lines[0])
+    assert split["tokens"] == expected["tokens"] and len(expected["tokens"]) > 16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the 4 attention heads"),
+    (["--tensor-parallel", "2", "--quantize", "int8"],
+     "int8 weights of o_proj (sliding layers) (64 inputs in groups of 64) cannot split into 2 slices on group bounds"),
+])
+def test_bad_splits_are_one_line_and_exit_2(tiny_model_dir, capsys, flags, message):
+    from dgemma.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hello", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_split_constraints_and_the_plan(capsys):
+    """More GPUs than there are, KV heads neither divided nor replicated whole; `info` prints the plan."""
+    import dgemma
+    from dgemma.cli import main
+    from dgemma.model.parallel import SplitError, check_split, plan_bytes
+
+    config = dgemma.get_preset("tiny")
+    with pytest.raises(SplitError, match="needs 2 GPUs, torch sees 0"):
+        check_split(config, 2, device="cuda")
+    with pytest.raises(SplitError, match="neither divides nor is a multiple of the 6 KV heads"):
+        check_split(config.replace(num_heads=12, num_kv_heads=6, num_global_kv_heads=1), 4)
+    assert main(["info", "--preset", "diffusiongemma-26b-a4b", "--tensor-parallel", "4"]) == 0
+    info = json.loads(capsys.readouterr().out.splitlines()[-1])
+    split = info["tensor_parallel"]
+    assert split["ranks"] == 4 and split["weight_bytes_per_rank"] == plan_bytes(get_26b(), 4)
+    whole = info["weight_bytes"]
+    for fmt, n in split["weight_bytes_per_rank"].items():  # a quarter, plus the replicated norms and routers
+        assert whole[fmt] / 4 < n < whole[fmt] / 4 * 1.02, fmt
+    assert plan_bytes(get_26b(), 1) == pytest.approx(whole, rel=1e-5)  # one rank: what `info` says the weights are
+
+
+def get_26b():
+    import dgemma
+
+    return dgemma.get_preset("diffusiongemma-26b-a4b")
