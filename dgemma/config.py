@@ -16,6 +16,9 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# The orders in which a denoising step accepts positions (dgemma.sampling.acceptance_uncertainty);
+# "entropy" is the reference's and the released model's.
+ACCEPT_ORDERS = ("entropy", "margin", "confidence")
 
 
 class ConfigError(ValueError):
@@ -399,6 +402,9 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = (1, 106, 50)
     pad_token_id: int = 0
     seed: int | None = None
+    # which positions a step accepts first: lowest entropy (the reference), widest top-2 margin, or
+    # highest top-1 probability; the entropy bound applies to each order's uncertainty (dgemma.sampling)
+    accept_order: str = "entropy"
 
     def __post_init__(self):
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -409,6 +415,8 @@ class SamplingConfig:
             (self.stability_threshold >= 1, "stability_threshold must be >= 1"),
             (self.confidence_threshold >= 0, "confidence_threshold must be >= 0"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.accept_order in ACCEPT_ORDERS,
+             f"accept_order must be one of {', '.join(ACCEPT_ORDERS)}, not {self.accept_order!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -416,9 +424,11 @@ class SamplingConfig:
 
     @classmethod
     def from_hf_dict(cls, gen: dict[str, Any], **overrides) -> "SamplingConfig":
-        """Read `generation_config.json`; `max_new_tokens` there is ignored (it caps output at one canvas)."""
+        """Read `generation_config.json`; `max_new_tokens` there is ignored (it caps output at one canvas).
+        `accept_order` is dgemma's own key (absent: "entropy", the reference's order)."""
         kw: dict[str, Any] = {}
-        for key in ("max_denoising_steps", "t_max", "t_min", "stability_threshold", "confidence_threshold"):
+        for key in ("max_denoising_steps", "t_max", "t_min", "stability_threshold", "confidence_threshold",
+                    "accept_order"):
             if gen.get(key) is not None:
                 kw[key] = gen[key]
         sampler = gen.get("sampler_config") or {}
@@ -433,6 +443,9 @@ class SamplingConfig:
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """`generation_config.json`'s fields; `accept_order` only when it is not the reference's (transformers
+        keeps a key it does not know as an attribute and ignores it, so such a file still loads there)."""
+        order = {} if self.accept_order == "entropy" else {"accept_order": self.accept_order}
         return {
             "max_denoising_steps": self.max_denoising_steps,
             # transformers rebuilds the sampler dataclass from its class name
@@ -443,6 +456,7 @@ class SamplingConfig:
             "confidence_threshold": self.confidence_threshold,
             "eos_token_id": list(self.eos_token_ids),
             "pad_token_id": self.pad_token_id,
+            **order,
         }
 
     def replace(self, **changes) -> "SamplingConfig":
@@ -482,4 +496,4 @@ def get_preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
 
 
-__all__ = ["ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]
+__all__ = ["ACCEPT_ORDERS", "ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "SLIDING", "FULL"]

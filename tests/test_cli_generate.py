@@ -76,6 +76,7 @@ def test_draft_view_renders_tokens_by_state(tiny_model_dir):
     (["--prompt", "hi", "--steps", "0"], "must be >= 1"),
     (["--prompt", "hi", "--steps", "many"], "expected a whole number"),
     (["--prompt", "hi", "--entropy-bound", "-1"], "must be a finite number >= 0"),
+    (["--prompt", "hi", "--accept-order", "random"], "invalid choice: 'random'"),
     (["--prompt", "hi", "--t-min", "0.9", "--t-max", "0.5"], "t_min <= t_max"),
     (["--prompt", " ".join(["hello"] * 300)], "context is 256"),
 ])

@@ -43,6 +43,25 @@ def test_engine_equals_plain_loop_per_request(model, max_batch):
     assert not engine.active and len(engine.free_rows) == max_batch
 
 
+@pytest.mark.parametrize("order", ["margin", "confidence"])
+def test_engine_equals_plain_loop_in_each_accept_order(model, order):
+    """Same tokens from both paths in the other acceptance orders, with a template's fixed positions too,
+    and not the entropy order's tokens (the option reaches the sampler in both)."""
+    s = _sampling(accept_order=order, entropy_bound=0.5)
+    fixed = torch.zeros(20, dtype=torch.bool)
+    fixed[::4] = True
+    tokens = torch.arange(20) % 100 + 10
+    templates = [(None, None), (fixed, tokens), (None, None)]
+    plain = [generate(model, [p], s, seed=30 + i, canvas_template=None if t[0] is None else CanvasTemplate(
+        t[0][None], t[1][None])) for i, (p, t) in enumerate(zip(PROMPTS, templates))]
+    requests = Engine(model, max_batch=2).generate(PROMPTS[:3], s, seeds=[30, 31, 32], templates=templates)
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+    by_entropy = [generate(model, [p], s.replace(accept_order="entropy"), seed=30 + i) for i, p in
+                  enumerate(PROMPTS[:3])]
+    assert [r.tokens for r in by_entropy] != [p.tokens[0] for p in plain]
+
+
 def test_engine_canvas_template_and_fixed_steps(model):
     s = _sampling(fixed_steps=True, max_new_tokens=20)
     fixed = torch.zeros(20, dtype=torch.bool)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dgemma.config import ConfigError, SamplingConfig
 from dgemma.sampling import (
+    acceptance_uncertainty,
     adaptive_stop,
     chunk_rows,
     entropy_bound_accept,
@@ -78,6 +80,48 @@ def test_acceptance_bound_is_inclusive():
     # sorted: 0.25, 0.25, 0.5, 1.0 -> entropy before each: 0, 0.25, 0.5, 1.0; bound 0.5 admits three
     entropy = torch.tensor([[1.0, 0.25, 0.5, 0.25], [3.0, 2.0, 1.0, 4.0]])
     assert entropy_bound_accept(entropy, 0.5).tolist() == [[False, True, True, True], [False, False, True, False]]
+
+
+def test_accept_orders_rank_by_their_own_uncertainty():
+    """Two positions that entropy and margin rank oppositely: a near tie between two tokens (low entropy,
+    margin ~0) and a spread-out but clear winner (higher entropy, wide margin)."""
+    probs = torch.tensor([[0.50, 0.49, 0.01, 0.00], [0.70, 0.10, 0.10, 0.10], [1.0, 0.0, 0.0, 0.0]])
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+    assert entropy[0] < entropy[1]
+    torch.testing.assert_close(acceptance_uncertainty(probs, entropy, "entropy"), entropy)
+    torch.testing.assert_close(acceptance_uncertainty(probs, entropy, "margin"), torch.tensor([0.99, 0.4, 0.0]))
+    torch.testing.assert_close(acceptance_uncertainty(probs, entropy, "confidence"), torch.tensor([0.5, 0.3, 0.0]))
+    # the bound's rule on each order's uncertainty: with bound 0.1 the sure position always passes, and
+    # the one after it passes (the sum before it is 0); the third is then over the bound
+    margin = acceptance_uncertainty(probs, entropy, "margin")
+    by_margin = entropy_bound_accept(margin[None], 0.1)[0].tolist()
+    by_entropy = entropy_bound_accept(entropy[None], 0.1)[0].tolist()
+    assert by_margin == [False, True, True] and by_entropy == [True, False, True]
+    with pytest.raises(ValueError, match="accept order must be one of"):
+        acceptance_uncertainty(probs, entropy, "random")
+
+
+def test_sampler_step_accepts_by_the_chosen_order_and_keeps_the_entropy():
+    logits = spread_logits(2, 32, 50, seed=5)
+    steps = {order: sampler_step(logits.clone(), 1.0, 0.3, torch.Generator().manual_seed(0), accept_order=order)
+             for order in ("entropy", "margin", "confidence")}
+    probs = torch.softmax(logits, -1)
+    top = probs.topk(2, -1).values
+    expected = {"margin": 1 - (top[..., 0] - top[..., 1]), "confidence": 1 - top[..., 0]}
+    for order, uncertainty in expected.items():
+        assert torch.equal(steps[order].accepted, entropy_bound_accept(uncertainty, 0.3))
+        assert torch.equal(steps[order].entropy, steps["entropy"].entropy)  # the stop rule's input is unchanged
+        assert torch.equal(steps[order].argmax, steps["entropy"].argmax)
+    assert not torch.equal(steps["margin"].accepted, steps["entropy"].accepted)
+
+
+def test_accept_order_in_the_config_and_generation_config_json():
+    assert SamplingConfig().accept_order == "entropy" and "accept_order" not in SamplingConfig().to_hf_dict()
+    margin = SamplingConfig(accept_order="margin")
+    assert SamplingConfig.from_hf_dict(margin.to_hf_dict()).accept_order == "margin"
+    assert SamplingConfig.from_hf_dict(margin.to_hf_dict(), accept_order="confidence").accept_order == "confidence"
+    with pytest.raises(ConfigError, match="accept_order must be one of entropy, margin, confidence"):
+        SamplingConfig(accept_order="random")
 
 
 def test_accepted_set_with_tied_entropies_straddling_the_bound():

@@ -273,6 +273,9 @@ def test_per_request_sampler_fields(client):
     text_c, _ = stats(steps=6, t_min=0.05, t_max=0.1, entropy_bound=50.0)
     assert text_a == text_b  # same seed, same fields: same output
     assert text_a != text_c  # the fields reach the sampler
+    margin_a, _ = stats(steps=6, t_min=0.5, t_max=2.0, entropy_bound=0.0, accept_order="margin")
+    margin_b, _ = stats(steps=6, t_min=0.5, t_max=2.0, entropy_bound=0.0, accept_order="margin")
+    assert margin_a == margin_b and margin_a != text_a  # the order reaches the sampler
     _, capped = stats(steps=1)
     assert capped["steps_per_canvas"] == [1, 1]
 
@@ -305,6 +308,7 @@ BAD_BODIES = [
     ({"steps": "3"}, "steps: Input should be a valid integer"),
     ({"steps": 2.5}, "steps: Input should be a valid integer"),
     ({"entropy_bound": -0.1}, "entropy_bound: Input should be greater than or equal to 0"),
+    ({"accept_order": "random"}, "accept_order: Input should be 'entropy', 'margin' or 'confidence'"),
     ({"t_max": 1e300}, "t_max: Input should be less than or equal to 100"),
     ({"t_min": 0.9, "t_max": 0.5}, "need 0 < t_min <= t_max"),
     ({"seed": -1}, "seed: Input should be greater than or equal to 0"),

@@ -6,6 +6,8 @@ import argparse
 import math
 import sys
 
+from dgemma.config import ACCEPT_ORDERS
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -153,11 +155,15 @@ def add_denoising_arguments(g):
                    help="entropy (nats) one step may accept in all")
     g.add_argument("--t-min", type=non_negative_float, default=None, help="temperature at the schedule's end")
     g.add_argument("--t-max", type=non_negative_float, default=None, help="temperature at the schedule's start")
+    g.add_argument("--accept-order", choices=ACCEPT_ORDERS, default=None,
+                   help="which positions a step accepts first: lowest entropy (the reference), widest top-2 "
+                        "probability margin, or highest top-1 probability; the bound applies to each")
 
 
 def denoising_overrides(args) -> dict:
     """`add_denoising_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
-    return dict(max_denoising_steps=args.steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
+    return dict(max_denoising_steps=args.steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
+                accept_order=args.accept_order)
 
 
 def add_sampling_arguments(p):

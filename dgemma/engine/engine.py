@@ -293,7 +293,8 @@ class Engine:
             temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
             # a view of the buffer: the sampler turns it into probabilities in place
             step = scan_step(logits[i : i + 1], temperature, s.entropy_bound, r.generator,
-                             fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan)
+                             fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan,
+                             accept_order=s.accept_order)
             stop, r.history = adaptive_stop(r.history, step.argmax, step.entropy, s.confidence_threshold,
                                             r.canvas_fixed)
             scanned.append(step)

@@ -7,7 +7,7 @@ Block diffusion, one canvas of L = `canvas_length` tokens at a time:
         canvas = L uniform random tokens
         for step in 0 .. max_denoising_steps-1:      (the reference counts these down N..1)
             logits = denoise(canvas, cache, self-conditioning = softmax of previous step's scaled logits)
-            sample / accept / re-noise (dgemma.sampling.sampler_step, in its two halves)
+            sample / accept (in sampling.accept_order) / re-noise (dgemma.sampling.sampler_step, halved)
             stop the row when its argmax canvas is stable and its mean entropy is low
         commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
 
@@ -294,7 +294,7 @@ def denoise_canvas(
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
         scanned = scan_step(logits, temperature, sampling.entropy_bound, generator, fixed=fixed,
-                            fixed_tokens=fixed_tokens)
+                            fixed_tokens=fixed_tokens, accept_order=sampling.accept_order)
         argmax = torch.where(done[:, None], argmax, scanned.argmax)
         stop, history = adaptive_stop(history, argmax, scanned.entropy, sampling.confidence_threshold, fixed)
         *stop_rows, drawn = host_read(torch.cat([stop.long(), scanned.drawn.sum().view(1)]), "step")

@@ -1,8 +1,10 @@
 """The entropy-bound denoising sampler as pure tensor functions (no model import)."""
 
 from dgemma.sampling.sampler import (
+    ACCEPT_ORDERS,
     CHUNK_ELEMENTS,
     StepResult,
+    acceptance_uncertainty,
     chunk_rows,
     entropy_bound_accept,
     random_tokens,
@@ -15,8 +17,10 @@ from dgemma.sampling.seeds import seed_or_random
 from dgemma.sampling.stopping import adaptive_stop, mean_entropy, new_argmax_history
 
 __all__ = [
+    "ACCEPT_ORDERS",
     "CHUNK_ELEMENTS",
     "StepResult",
+    "acceptance_uncertainty",
     "adaptive_stop",
     "chunk_rows",
     "entropy_bound_accept",

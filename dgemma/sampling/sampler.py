@@ -7,6 +7,8 @@ A step (the reference is transformers' `generation_diffusion_gemma.py`; see docs
   2. per position: entropy of softmax(logits / T), its argmax, and a sample from it (inverse CDF);
   3. accept the lowest-entropy positions while the entropy they add stays within the bound
      (Ben-Hamu et al., arXiv 2505.24857); every other position is re-noised to a uniform random token.
+     The acceptance order is a choice (`ACCEPT_ORDERS`, `acceptance_uncertainty`): entropy, the
+     reference's, or the top-2 probability margin or the top-1 probability, each under the same bound.
 The reference feeds the temperature-scaled logits back as self-conditioning, and the model only ever
 uses their softmax; `sampler_step` leaves exactly that softmax in the logits buffer (in place), so the
 next step's signal costs no second (B, L, V) buffer and no second softmax.
@@ -25,6 +27,8 @@ import struct
 from dataclasses import dataclass
 
 import torch
+
+from dgemma.config import ACCEPT_ORDERS
 
 # Positions are processed in chunks of about this many logits, so that the temporaries of a step
 # (log-probabilities, probabilities, noise) are a few (chunk, V) buffers instead of more (B, L, V) ones.
@@ -97,8 +101,36 @@ def random_tokens(shape: tuple[int, ...], vocab_size: int, generator: torch.Gene
     return torch.randint(0, vocab_size, shape, generator=generator, device=device)
 
 
+def acceptance_uncertainty(probs: torch.Tensor, entropy: torch.Tensor, order: str) -> torch.Tensor:
+    """Per position, how uncertain its distribution is under an acceptance order: probs (n, V) (rows
+    summing to 1), entropy (n,) -> (n,) >= 0, what `entropy_bound_accept` orders and sums.
+
+      entropy      H(p) in nats (the reference; `probs` is not read)
+      margin       1 - (p_1 - p_2), with p_1 >= p_2 the two largest probabilities (Kim et al., arXiv
+                   2502.06768, commit where the top-2 margin is widest): 0 for a one-hot row, 1 for a tie
+      confidence   1 - p_1: 0 for a one-hot row, 1 - 1/V for a uniform one
+
+    Each order uses the entropy bound's rule on its own uncertainty u: sort a row's u ascending and accept
+    the largest prefix whose sum minus its largest member stays within the bound, so the most certain
+    position is always accepted and certain positions (u near 0) are accepted in numbers. The bound (the
+    sampler's `entropy_bound`) is then in u's units, not nats: for a confident position u and H are of the
+    same size (p_1 = 0.95: 1 - p_1 = 0.05, H >= 0.19 nats), so one bound serves every order. The margin
+    and the top-1 probability cost one more pass over each row's V probabilities (a top-2 or a max).
+    """
+    if order == "entropy":
+        return entropy
+    if order == "confidence":
+        return 1.0 - probs.amax(-1)
+    if order == "margin":
+        top = probs.topk(min(2, probs.shape[-1]), dim=-1).values  # (n, 2)
+        second = top[:, 1] if top.shape[1] > 1 else torch.zeros_like(top[:, 0])
+        return 1.0 - (top[:, 0] - second)
+    raise ValueError(f"accept order must be one of {', '.join(ACCEPT_ORDERS)}, not {order!r}")
+
+
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
-    """Which positions to accept this step: entropy (B, L) -> accepted (B, L) bool, per row.
+    """Which positions to accept this step: entropy (B, L) -> accepted (B, L) bool, per row. Any
+    uncertainty may take the entropy's place (`acceptance_uncertainty`); the rule is the same.
 
     Sort a row's entropies ascending, H_(1) <= H_(2) <= ...; position (k) is accepted when
         sum_{i<=k} H_(i) - max_{i<=k} H_(i) = sum_{i<k} H_(i) <= bound,
@@ -192,13 +224,17 @@ def scan_step(
     fixed_tokens: torch.Tensor | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     scan=scan_logits,
+    accept_order: str = "entropy",
 ) -> ScannedStep:
     """The first part of `sampler_step`, without reading anything back to the host: the scan, the
-    step's random numbers and the acceptance. logits (B, L, V) is overwritten with the probabilities."""
+    step's random numbers and the acceptance. logits (B, L, V) is overwritten with the probabilities.
+    `accept_order`: which uncertainty the bound accepts by (`acceptance_uncertainty`); the entropy the
+    result carries (for the stop rule and drafts) is the entropy whatever the order."""
     B, L, V = logits.shape
     flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
     entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
     argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    uncertainty = entropy if accept_order == "entropy" else torch.empty_like(entropy)
     # a tensor, not a float: one compiled scan serves every temperature of the schedule (made by a fill,
     # not copied from the host: `torch.tensor(t, device=...)` would wait for the device)
     scale = torch.full((), temperature, dtype=logits.dtype, device=logits.device)
@@ -206,14 +242,17 @@ def scan_step(
     for start in range(0, B * L, step):
         rows = slice(start, start + step)
         argmax[rows], entropy[rows] = scan(flat[rows], scale)
-    entropy, argmax = entropy.view(B, L), argmax.view(B, L)
+        if accept_order != "entropy":  # the chunk's probabilities, while they are in cache
+            uncertainty[rows] = acceptance_uncertainty(flat[rows], entropy[rows], accept_order)
+    entropy, argmax, uncertainty = entropy.view(B, L), argmax.view(B, L), uncertainty.view(B, L)
     uniforms = torch.rand(B * L, dtype=logits.dtype, device=logits.device, generator=generator)
     noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
 
     if fixed is not None:
         entropy = entropy.masked_fill(fixed, 0.0)
+        uncertainty = entropy if accept_order == "entropy" else uncertainty.masked_fill(fixed, 0.0)
         argmax = torch.where(fixed, fixed_tokens, argmax)
-    accepted = entropy_bound_accept(entropy, entropy_bound)
+    accepted = entropy_bound_accept(uncertainty, entropy_bound)
     drawn = accepted if fixed is None else accepted & ~fixed
     canvas = noise if fixed is None else torch.where(fixed, fixed_tokens, noise)  # samples go in below
     return ScannedStep(flat, uniforms, canvas, argmax, entropy, accepted, drawn)
@@ -245,6 +284,7 @@ def sampler_step(
     fixed_tokens: torch.Tensor | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     scan=scan_logits,
+    accept_order: str = "entropy",
 ) -> StepResult:
     """The fused sampler step. logits (B, L, V) fp32 is overwritten IN PLACE with softmax(logits / T),
     the probabilities the next step's self-conditioning embeds.
@@ -265,5 +305,5 @@ def sampler_step(
     (the engine) learn the number of drawn positions in that read instead of waiting for `nonzero`.
     """
     scanned = scan_step(logits, temperature, entropy_bound, generator, fixed=fixed, fixed_tokens=fixed_tokens,
-                        chunk_elements=chunk_elements, scan=scan)
+                        chunk_elements=chunk_elements, scan=scan, accept_order=accept_order)
     return draw_samples(scanned, chunk_elements=chunk_elements)

@@ -60,7 +60,8 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
-                                      entropy_bound=body.entropy_bound, t_min=body.t_min, t_max=body.t_max,
+                                      entropy_bound=body.entropy_bound, accept_order=body.accept_order,
+                                      t_min=body.t_min, t_max=body.t_max,
                                       fixed_steps=body.fixed_steps, eos_token_ids=eos)
     except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max
         raise bad_request(str(e)) from None

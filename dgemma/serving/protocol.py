@@ -19,6 +19,7 @@ validates against the schema; the supported subset is in dgemma.structured.schem
 Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   steps           int 1..1000     most denoising steps per canvas (the model's default otherwise)
   entropy_bound   float 0..1e6    accept positions until their summed entropy passes this
+  accept_order    "entropy" | "margin" | "confidence"   which positions a step accepts first
   t_min, t_max    float 0.01..100 the temperature schedule, falling from t_max to t_min
   fixed_steps     bool            exactly `steps` per canvas, no early stop
   seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
@@ -32,6 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from dgemma.config import ACCEPT_ORDERS
 
 MAX_STEPS = 1000
 MAX_STOP_STRINGS = 16
@@ -136,6 +139,10 @@ class GenerationFields(BaseModel):
                                 "max_denoising_steps)")
     entropy_bound: EntropyBound | None = Field(None, description="dgemma: per step, accept positions by rising "
                                                "entropy until their sum passes this")
+    accept_order: Literal[ACCEPT_ORDERS] | None = Field(
+        None, description="dgemma: which positions a step accepts first: lowest entropy (the reference), widest "
+        "top-2 probability margin, or highest top-1 probability; entropy_bound applies to each order's "
+        "uncertainty (default: the model's, `entropy` unless its generation_config.json says otherwise)")
     t_min: Temperature | None = Field(None, description="dgemma: the temperature at the last step (the schedule "
                                       "falls linearly from t_max; t_min <= t_max)")
     t_max: Temperature | None = Field(None, description="dgemma: the temperature at the first step")

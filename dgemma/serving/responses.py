@@ -196,6 +196,7 @@ class ImagesCard(Body):
 class Defaults(Body):
     steps: int
     entropy_bound: float
+    accept_order: str
     t_min: float
     t_max: float
     max_tokens: int
