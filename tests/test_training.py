@@ -147,6 +147,21 @@ def test_diffusion_training_from_scratch_lowers_the_loss(scratch_run):
     assert (tmp / "diffusion" / "model" / "model.safetensors").is_file()
 
 
+def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
+    """The default compiles the blocks on a CPU (the suite's DGEMMA_EAGER=1 lifted here): the same losses
+    as --eager step by step, in fp32, within float reassociation."""
+    monkeypatch.delenv("DGEMMA_EAGER", raising=False)
+    short = dict(steps=4, log_every=1, save_every=4, precision="fp32")
+    eager = train(task_config(tmp_path, "eager", compile=False, **short))
+    assert "on cpu, eager (--eager)" in capsys.readouterr().err
+    compiled = train(task_config(tmp_path, "compiled", **short))
+    err = capsys.readouterr().err
+    assert "on cpu, compiled" in err and "warning" not in err
+    for a, b in zip(eager.metrics, compiled.metrics, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+
+
 def test_ar_baseline_from_scratch_lowers_the_loss(tmp_path):
     torch.set_num_threads(1)
     result = train(task_config(tmp_path, "ar", objective="ar"))

@@ -77,6 +77,10 @@ class TrainConfig:
     grad_clip: float = option("max global gradient norm, 0 = off", "optimisation", 1.0)
     precision: str = option("bf16 = autocast (fp32 master weights and optimizer)", "optimisation", "fp32",
                             choices=("fp32", "bf16"))
+    compile: bool = option("never torch.compile the training step (also DGEMMA_EAGER=1); by default its blocks "
+                           "compile on a CPU in one process (a minute or two once, then faster steps; where "
+                           "compiling is unavailable or fails, eager after one warning line)", "optimisation", True,
+                           flag="--eager")
     mixed_precision: str | None = option(
         "FSDP2 MixedPrecisionPolicy (torchrun, 2+ processes): bf16 gathered weights and compute, fp32 gradient "
         "reduction, fp32 sharded master weights and AdamW", "optimisation", None, choices=("bf16",))
@@ -114,7 +118,7 @@ class TrainConfig:
     # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
     RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
                          "micro_batch_size", "device", "skip_bad_lines", "until", "activation_checkpointing",
-                         "memory_per_rank")
+                         "memory_per_rank", "compile")
 
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))

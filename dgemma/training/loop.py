@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -24,12 +25,18 @@ from pathlib import Path
 import torch
 
 from dgemma.config import ConfigError
+from dgemma.model.compilation import CPU_EAGER_ABOVE_PARAMS
 from dgemma.training import distributed as D
 from dgemma.training.config import TrainConfig
 from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
 from dgemma.training.export import export_adapter, export_checkpoint
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
-from dgemma.training.model_setup import base_dtype, configure_trainable, resolve_model_config
+from dgemma.training.model_setup import (
+    base_dtype,
+    compile_for_training,
+    configure_trainable,
+    resolve_model_config,
+)
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
 from dgemma.training.progress import MetricsLog, Progress, plot_loss
 from dgemma.training.state import (
@@ -113,9 +120,12 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         # fp32 accumulation): ~8x an H100's fp32 rate, the usual choice for fp32 training on CUDA
         torch.set_float32_matmul_precision("high")
     model, optimizer, trainable = _model_and_optimizer(config, model_config, eos_id, env)
+    policy = compile_policy(config, env, model_config)
+    compiled = policy == "compile" and compile_for_training(model)
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
-        f"{env.world_size} process(es) on {env.device.type}")
+        f"{env.world_size} process(es) on {env.device.type}, "
+        f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}")
 
     if env.is_main and importlib.util.find_spec("matplotlib") is None:
         say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
@@ -138,7 +148,8 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
     stop = config.until or config.steps
     progress = Progress(stop, start_step, enabled=config.progress and env.is_main)
-    window = torch.zeros(4, dtype=torch.float64)  # summed over the log window: loss, diffusion, ar, tokens
+    # summed over the log window on the device (loss, diffusion, ar, tokens): read at log steps only
+    window = torch.zeros(4, dtype=torch.float64, device=env.device)
     window_steps, window_t0, t0 = 0, time.perf_counter(), time.perf_counter()
     last_loss = float("nan")
     try:
@@ -151,17 +162,18 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            window += D.all_reduce_sum(sums, env)
+            window += sums
             window_steps += 1
             done = step + 1
             if done % config.log_every == 0 or done == stop:
+                summed = D.all_reduce_sum(window, env).tolist()  # the window's one read
                 seconds = time.perf_counter() - window_t0
                 record = {
-                    "step": done, "loss": float(window[0] / (G * window_steps)),
-                    "diffusion_loss": float(window[1] / (G * window_steps)),
-                    "ar_loss": float(window[2] / (G * window_steps)), "lr": lr,
-                    "grad_norm": D.as_float(grad_norm), "tokens": int(window[3]),
-                    "tokens_per_s": float(window[3]) / max(seconds, 1e-9), "samples": done * G,
+                    "step": done, "loss": summed[0] / (G * window_steps),
+                    "diffusion_loss": summed[1] / (G * window_steps),
+                    "ar_loss": summed[2] / (G * window_steps), "lr": lr,
+                    "grad_norm": D.as_float(grad_norm), "tokens": int(summed[3]),
+                    "tokens_per_s": summed[3] / max(seconds, 1e-9), "samples": done * G,
                     "elapsed_s": round(time.perf_counter() - t0, 3),
                 }
                 last_loss = record["loss"]
@@ -263,10 +275,28 @@ def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, env: D.
     return model, _optimizer(model, config), trainable
 
 
+def compile_policy(config: TrainConfig, env: D.DistEnv, model_config) -> str:
+    """"compile" or why the run stays eager (`--eager`, then DGEMMA_EAGER=1, then where it pays). Compiled
+    by default on a CPU, one process, for models up to
+    a billion parameters (as generation: above that a step is big matmuls compiling does not speed up).
+    Not measured elsewhere, so eager there: on CUDA the routed experts are an opaque op in a graph, with
+    no backward; under FSDP or activation checkpointing the regions' interplay with compiling is untested."""
+    if not config.compile:
+        return "--eager"
+    if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
+        return "DGEMMA_EAGER"
+    if env.device.type != "cpu" or env.distributed or config.activation_checkpointing:
+        return "compiled training is measured on one CPU process only"
+    if model_config.param_counts()["total"] > CPU_EAGER_ABOVE_PARAMS:
+        return "above a billion parameters"
+    return "compile"
+
+
 def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, stream: ExampleStream, step: int,
                           model_config, eos_id: int) -> torch.Tensor:
     """Forward and backward over this process's share of step `step`'s examples, micro-batch by micro-batch.
-    Returns the summed (loss, diffusion loss, AR loss, tokens) of the share, float64."""
+    Returns the summed (loss, diffusion loss, AR loss, tokens) of the share, float64 on the device (nothing
+    is read back here: the loop reads its log window's sums once)."""
     G, W = config.batch_size, env.world_size
     share = G // W
     micro = config.micro_batch_size or share
@@ -274,7 +304,8 @@ def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, s
     autocast = (torch.autocast(env.device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
     bf16 = config.precision == "bf16" or config.mixed_precision == "bf16"
     cache_dtype = torch.bfloat16 if bf16 else None  # the keys and values the bf16 layers compute
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64, device=env.device)
+    tokens = 0
     for a in range(share // micro):
         first = step * G + env.rank * share + a * micro
         positions = list(range(first, first + micro))
@@ -294,6 +325,8 @@ def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, s
                 losses = ar_losses(model, batch, cache_dtype=cache_dtype)
         # FSDP averages gradients over W processes: scale so the result is the mean over G examples
         (losses.total.sum() * (W / G)).backward()
-        parts = [float(x.detach().sum()) for x in (losses.total, losses.diffusion, losses.ar)]
-        sums += torch.tensor([*parts, batch.num_tokens], dtype=torch.float64)
+        sums[:3] += torch.stack([losses.total.detach().sum(), losses.diffusion.detach().sum(),
+                                 losses.ar.detach().sum()]).double()
+        tokens += batch.num_tokens
+    sums[3] += tokens
     return sums

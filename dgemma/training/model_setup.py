@@ -111,3 +111,31 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
     if n == 0:
         raise ConfigError("nothing to train: every parameter is frozen")
     return n
+
+
+def compile_for_training(model) -> bool:
+    """torch.compile the parts of every block that are pure tensor functions, forward and backward: the
+    attention's projections (q/k/v, their norms, RoPE) and the feed-forward half (dense MLP, router,
+    routed experts, six norms). Training on a CPU spends most of a step in their elementwise ops, each a
+    pass over (B, T, H) memory and an autograd node in eager mode; compiled, inductor fuses them into a
+    few loops per region (benchmarks/README.md: where the time goes). The attention itself and the cache
+    bookkeeping around it stay eager (they hold host-side state a graph would specialise on per layer).
+
+    Returns whether the model compiles; where compiling is unavailable (no C++ compiler, no triton), it
+    stays eager after one warning line, as does the whole model once a compile fails (CompiledOrEager).
+    """
+    from dgemma.model import compilation
+
+    reason = compilation.unavailable_reason(model.device)
+    if reason is not None:
+        compilation.warn_eager(reason)
+        return False
+    compilation.use_disk_cache()
+    torch._dynamo.config.capture_scalar_outputs = True  # the experts' grid size is read inside the graph
+    # one graph per (layer kind, with or without gradients, sequence length): a few more than the default 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    state = compilation.CompileState(model, "training")
+    for block in model.layers:
+        block.feed_forward = compilation.CompiledOrEager(block.feed_forward, state)
+        block.self_attn.project = compilation.CompiledOrEager(block.self_attn.project, state)
+    return True
