@@ -21,17 +21,23 @@ run() {  # run NAME ARGS...: one eval, its JSON line to OUT/NAME.json
   ${PREFIX:-} dgemma sudoku eval --model "$MODEL" --batch 64 --seed 0 "$@" | tail -1 > "$OUT/$name.json.tmp"
   mv "$OUT/$name.json.tmp" "$OUT/$name.json"
 }
-for order in $ORDERS; do
-  if [ "${STAGE:-both}" != test ]; then
+if [ "${STAGE:-both}" != test ]; then
+  for order in $ORDERS; do
     for bucket in $VAL_BUCKETS; do
       run "val-$order-1x1-$bucket" --file "$DATA/val_$bucket.txt" --limit "${VAL_N:-64}" --accept-order "$order"
     done
-  fi
-  if [ "${STAGE:-both}" != val ]; then
+  done
+fi
+if [ "${STAGE:-both}" != val ]; then  # every single shot first, then the searches
+  for order in $ORDERS; do
     for bucket in $BUCKETS; do
       run "test-$order-1x1-$bucket" --file "$DATA/test_$bucket.txt" --limit "${TEST_N:-100}" --accept-order "$order"
+    done
+  done
+  for order in $ORDERS; do
+    for bucket in $BUCKETS; do
       run "test-$order-8x8-$bucket" --file "$DATA/test_$bucket.txt" --limit "${SEARCH_N:-12}" --accept-order "$order" \
         --rounds 8 --candidates 8
     done
-  fi
-done
+  done
+fi
