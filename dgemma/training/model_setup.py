@@ -131,7 +131,6 @@ def compile_for_training(model) -> bool:
         compilation.warn_eager(reason)
         return False
     compilation.use_disk_cache()
-    torch._dynamo.config.capture_scalar_outputs = True  # the experts' grid size is read inside the graph
     # one graph per (layer kind, with or without gradients, sequence length): a few more than the default 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     state = compilation.CompileState(model, "training")
