@@ -53,12 +53,15 @@ def _prompt_seed(seeds: list[int] | None, sampling: SamplingConfig, i: int) -> i
 
 class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64,
-                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int | None = None):
         self.model = model
         self.canvas_length = model.config.canvas_length
         self.vocab_size = model.config.vocab_size
         max_length = max_length or min(model.config.max_position_embeddings, 8192)
-        self.runner = Runner(model, max_batch, max_length)
+        self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes)
+        # prompt tokens encoded per step (None: the engine's choice, `prefill_budget`)
+        self.prefill_chunk = prefill_chunk
         self.scheduler = Scheduler(max_batch, max_queue)
         self.forwards = 0  # decoder forwards run, for benchmarks
         self.scoring: list[ScoringBatch] = []  # batches of scoring requests in progress, oldest first
@@ -67,6 +70,11 @@ class Engine:
         # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
         self.scan = model.compiled_function(scan_logits, dynamic=True, options=None) if model.decoder_compiled \
             else scan_logits
+
+    @property
+    def prefix_cache(self):
+        """The PrefixCache (its `stats`: blocks, hits, evictions), or None when off."""
+        return self.runner.prefix_cache
 
     @property
     def max_length(self) -> int:
@@ -150,20 +158,48 @@ class Engine:
                 from dgemma.structured.answer import ConstrainedAnswer
 
                 r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
-            self.runner.prefill(r.row, r.prompt, r.images, adapter=r.adapter)
-            if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
-                r.images = None
-            self._start_canvas(r)
         if to_score:
-            self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens))
+            self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens, self.runner))
         if self.scoring:
             self._score_step()
+        self._prefill_step()
         if self.generating:
             self._denoise_step()
 
     @property
     def generating(self) -> list[Request]:
-        return [r for r in self.active if not r.scoring]
+        """Requests denoising: their prompts are in their rows."""
+        return [r for r in self.active if not r.scoring and not r.prefilling]
+
+    def prefill_budget(self) -> int:
+        """Prompt tokens to encode in this step: one canvas's worth beside running requests, so their
+        steps go on between chunks at about twice their usual interval; more when nothing else runs.
+        Either way a bound on the prefill's activations."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return self.canvas_length if self.generating else 8 * self.canvas_length
+
+    def _prefill_step(self):
+        """The next chunk of the oldest prompts not yet in their rows; a prompt all in starts its canvas.
+        A prompt starts from the prefix cache when it reaches the front (after the prompts before it
+        are in, so it finds what they left there)."""
+        budget = self.prefill_budget()
+        for r in [r for r in self.active if r.prefilling]:
+            if budget <= 0:
+                break
+            if r.prefilled is None:
+                r.cached_tokens, r.prefill_images, _ = self.runner.start_row(r.row, r.prompt, r.images, r.adapter)
+                r.prefilled = r.cached_tokens
+            a = r.prefilled
+            # images go in one call with every token after them (an image is encoded whole)
+            n = len(r.prompt) - a if r.prefill_images is not None else min(budget, len(r.prompt) - a)
+            if n:
+                self.runner.prefill(r.row, r.prompt[a : a + n], r.prefill_images)
+            r.prefilled, r.prefill_images, budget = a + n, None, budget - n
+            if not r.prefilling:
+                if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
+                    r.images = None
+                self._start_canvas(r)
 
     def run_until_done(self, requests: list[Request]):
         while not all(r.done for r in requests):
@@ -231,6 +267,9 @@ class Engine:
         for prompts in ([[0]], [[0, 0]], [[0]] * min(2, self.runner.max_batch)):
             self.generate(prompts, sampling, seeds=list(range(len(prompts))))
         self.forwards = 0
+        if self.prefix_cache is not None:  # its throwaway prompts are no one's prefix
+            self.prefix_cache.clear()
+            self.prefix_cache.stats.__init__(budget_bytes=self.prefix_cache.budget_bytes)
 
     # -- internals -------------------------------------------------------------------------------
     def _check_images(self, r: Request):
@@ -269,7 +308,7 @@ class Engine:
         """One chunk of every scoring batch; a finished (or wholly cancelled) batch frees its rows."""
         for batch in list(self.scoring):
             if not batch.cancelled:
-                batch.advance(self.model, self.runner.cache)
+                batch.advance()
             if batch.done or batch.cancelled:
                 self.scoring.remove(batch)
                 self.scored_tokens += batch.encoded_tokens
@@ -346,6 +385,8 @@ class Engine:
                 r.t_first_canvas = time.perf_counter()
             r.emit(Event("canvas", r.request_id, r.canvas_index, tokens=new))
             if hit_eos or budget <= self.canvas_length:
+                if r.cache_answer and self.prefix_cache is not None and r.verifier is None:
+                    self.runner.commit([r.row], [canvas_tokens[: len(new) + hit_eos]])
                 if not self._verify(r):
                     self._finish(r, "stop" if hit_eos else "length")
                 continue
@@ -353,7 +394,7 @@ class Engine:
             continuing_canvases.append(canvas_tokens)
             continuing.append(r)
         if continuing:
-            self.runner.commit(continuing_rows, to_device(continuing_canvases, torch.long, self.model.device))
+            self.runner.commit(continuing_rows, continuing_canvases)
             for r in continuing:
                 r.canvas_index += 1
                 self._start_canvas(r)
@@ -373,11 +414,13 @@ class Engine:
         r.round += 1
         r.accepted = None
         r.emit(Event("round", r.request_id, r.canvas_index, step=r.round, tokens=list(r.rejected)))
-        if r.canvas_index > 0:  # the row holds committed canvases: start again from the prompt alone
-            self.runner.free([r.row])
-            self.runner.prefill(r.row, r.prompt, r.images, adapter=r.adapter)
         r.tokens, r.canvas_index = [], 0
-        self._start_canvas(r)
+        if r.prefilled != len(r.prompt) or self.runner.cache.row_lengths[r.row] != len(r.prompt):
+            # the row holds committed canvases: start again from the prompt alone (the next steps prefill it)
+            self.runner.free([r.row])
+            r.prefilled = None
+        else:
+            self._start_canvas(r)
         return True
 
     def _finish(self, r: Request, reason: str):

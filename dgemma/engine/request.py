@@ -66,12 +66,18 @@ class Request:
     search: object | None = None  # the dgemma.engine.search.Search this request is a candidate of
     candidate: int = 0  # its index there
     adapter: int = 0  # the served LoRA adapter this request runs (dgemma.model.adapters; 0: the base model)
+    # encode the final canvas too (only for the prefix cache): a conversation's next turn then starts with
+    # the whole answer cached
+    cache_answer: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     # state, owned by the engine
     status: Status = Status.WAITING
     row: int | None = None
     generator: torch.Generator | None = None
+    prefilled: int | None = None  # prompt tokens in the row (cached or encoded); None until the prefill starts
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave
+    prefill_images: object | None = None  # the images still to encode with the rest of the prompt
     canvas_index: int = 0
     step_index: int = 0
     canvas: torch.Tensor | None = None  # (L,) next decoder input
@@ -108,6 +114,12 @@ class Request:
         return self.score_top is not None
 
     @property
+    def prefilling(self) -> bool:
+        """Holds a row whose prompt is not all in it yet (chunked prefill)."""
+        return self.row is not None and not self.scoring and (self.prefilled is None or
+                                                              self.prefilled < len(self.prompt))
+
+    @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.CANCELLED)
 
@@ -120,6 +132,7 @@ class Request:
             "denoising_steps": sum(self.steps_per_canvas),
             "tokens_per_forward": self.committed_non_pad / self.forward_passes if self.forward_passes else 0.0,
             "time_to_first_canvas_s": (self.t_first_canvas - self.t_submit) if self.t_first_canvas else None,
+            "cached_prompt_tokens": self.cached_tokens,
             "elapsed_s": elapsed,
             "tokens_per_second": generated / elapsed if elapsed > 0 else 0.0,
             **({} if self.verifier is None else {"rounds": self.round, "accepted": self.accepted}),

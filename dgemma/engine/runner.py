@@ -1,4 +1,5 @@
-"""The engine's model-facing half: one preallocated cache, forwards over any subset of its rows.
+"""The engine's model-facing half: one preallocated cache, forwards over any subset of its rows, and the
+prefix cache (prefix_cache.py) the rows' encodes feed and new rows start from.
 
 Rows are Python lists: the cache keeps its bookkeeping on the host, and host values (prompt ids) go to
 the device without waiting for it (`dgemma.device_sync.to_device`).
@@ -11,18 +12,28 @@ import contextlib
 import torch
 
 from dgemma.device_sync import to_device
+from dgemma.engine.prefix_cache import PrefixCache, RowTrail, image_digest, image_spans
 from dgemma.model.network import device_vocab_chunk_rows
 
 # Self-conditioning embeddings are made a block of positions at a time from the probabilities buffer, so the
 # temporaries stay (block, V) next to the one (B, L, V) buffer; the block depends on the device.
 
 
+def model_key(model) -> str:
+    """What makes one model's cache entries differ from another's: its shape, dtype and quantisation (the
+    engine's prefix cache serves one model; the key keeps blocks of another from ever matching)."""
+    return f"{model.config!r}|{model.dtype}|{model.quantization}"
+
+
 class Runner:
-    def __init__(self, model, max_batch: int, max_length: int):
+    def __init__(self, model, max_batch: int, max_length: int, prefix_cache_bytes: int = 0):
         self.model = model
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, max_length)
         self.hidden_size = model.config.hidden_size
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, model_key=model_key(model)) if prefix_cache_bytes > 0 \
+            else None
+        self.trails: dict[int, RowTrail] = {}  # row -> what it encoded since its last whole block
         # each row's LoRA adapter (dgemma.model.adapters; 0: the base model), for models serving adapters
         self.row_adapter = [0] * max_batch
 
@@ -38,21 +49,96 @@ class Runner:
         return holder.set(to_device([self.row_adapter[r] for r in rows], torch.long, self.device))
 
     @torch.no_grad()
-    def prefill(self, row: int, prompt: list[int], images=None, adapter: int = 0):
-        """Encode a prompt into its row; `images` (dgemma.images.ImageInputs) fill its image tokens, in the
-        same call (an image's tokens must be encoded together). `adapter`: the row's LoRA adapter from now on."""
+    def start_row(self, row: int, prompt: list[int], images=None, adapter: int = 0,
+                  limit: int | None = None, want_hidden: bool = False):
+        """A fresh row for `prompt` run with LoRA `adapter` (0: the base model): the longest run of cached
+        blocks (ending at or before `limit` tokens, never inside an image) is written into it. Returns
+        (tokens taken, the images left to encode with the rest, their hidden states (n, H) when
+        `want_hidden`)."""
         self.row_adapter[row] = adapter
+        if self.prefix_cache is None:
+            return 0, images, None
+        B = self.prefix_cache.block_tokens
+        limit = len(prompt) if limit is None else limit
+        salts, spans = {}, []
+        if images is not None:
+            spans = image_spans(prompt, self.model.config.image_token_id, images.num_soft_tokens)
+            for i, (start, _) in enumerate(spans):
+                digest = image_digest(images.pixel_values[i], images.image_position_ids[i])
+                salts[start // B] = salts.get(start // B, b"") + digest
+            for start, end in spans:  # an image's tokens are encoded together
+                if start < limit < end:
+                    limit = start
+        root = self.prefix_cache.root_key(adapter)
+        blocks = self.prefix_cache.match(prompt, root, salts, limit)
+        matched = len(blocks) * B
+        self.trails[row] = RowTrail(blocks[-1].key if blocks else root, matched, salts)
+        if blocks:
+            self._restore(row, blocks)
+        if images is not None and matched:
+            first = sum(1 for start, _ in spans if start < matched)
+            images = None if first == len(spans) else type(images)(
+                images.pixel_values[first:], images.image_position_ids[first:], images.num_soft_tokens[first:])
+        hidden = torch.cat([b.hidden for b in blocks]) if want_hidden and blocks else None
+        return matched, images, hidden
+
+    def _restore(self, row: int, blocks):
+        """Write cached blocks (positions 0 .. P - 1) into an empty row: every layer's last slots it keeps."""
+        cache, P = self.cache, len(blocks) * self.prefix_cache.block_tokens
+        positions = torch.arange(P, device=self.device)[None]  # (1, P)
+        for i in range(self.model.config.num_layers):
+            sliding = self.model.config.is_sliding(i)
+            keep = min(P, cache.capacity[sliding])  # a sliding ring takes the last window - 1 alone
+            first = (P - keep) // self.prefix_cache.block_tokens
+            k = torch.cat([b.keys[i] for b in blocks[first:]], dim=1)[None]  # (1, Hkv, >= keep, D)
+            v = None if blocks[0].values[i] is None else torch.cat([b.values[i] for b in blocks[first:]], dim=1)[None]
+            cache.write(i, sliding, [row], positions, k, v)
+        cache.commit_positions([row], positions, torch.ones_like(positions, dtype=torch.bool), padded=False)
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: list[int], images=None):
+        """Encode prompt tokens into their row (all of it, or the next chunk); `images`
+        (dgemma.images.ImageInputs) fill its image tokens, in the same call (an image's tokens must be
+        encoded together)."""
         ids = to_device([prompt], torch.long, self.device)
         pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                                 image_position_ids=images.image_position_ids)
-        with self._adapters([row]):
-            self.model.encode(ids, self.cache, rows=[row], return_logits=False, **pixels)
+        self.encode_rows(ids, [row], tokens=[prompt], **pixels)
 
     @torch.no_grad()
-    def commit(self, rows: list[int], canvases: torch.Tensor):
-        """Encode committed canvases (n, L) into their rows' cache."""
+    def commit(self, rows: list[int], canvases: list[list[int]]):
+        """Encode committed canvases (n lists of L tokens) into their rows' cache."""
+        self.encode_rows(to_device(canvases, torch.long, self.device), rows, tokens=canvases)
+
+    @torch.no_grad()
+    def encode_rows(self, ids: torch.Tensor, rows: list[int], valid: torch.Tensor | None = None,
+                    counts: list[int] | None = None, tokens: list[list[int]] | None = None, **pixels):
+        """model.encode of ids (n, T) into `rows` -> hidden (n, T, H); each row's first counts[i] tokens
+        (all without padding) feed the prefix cache. `tokens`: the ids on the host, when the caller has
+        them (else they are read back)."""
+        entries = [] if self.trails else None
         with self._adapters(rows):
-            self.model.encode(canvases, self.cache, rows=rows, return_logits=False)
+            hidden = self.model.encode(ids, self.cache, valid, rows=rows, return_hidden=True, entries_out=entries,
+                                       **pixels)
+        if entries:
+            host = tokens if tokens is not None else ids.tolist()
+            for i, row in enumerate(rows):
+                trail = self.trails.get(row)
+                if trail is None:
+                    continue
+                n = ids.shape[1] if counts is None else counts[i]
+                own = [(k[i, :, :n].clone(), None if v is None else v[i, :, :n].clone()) for k, v in entries]
+                trail.add(self.prefix_cache, list(host[i][:n]), own, hidden[i, :n].clone(), self.cache.keys[0].dtype)
+        return hidden
+
+    def copy_row(self, source: int, targets: list[int]):
+        """Give `targets` row `source`'s contents, and what it would still give the prefix cache."""
+        self.cache.copy_row(source, targets)
+        for t in targets:
+            self.row_adapter[t] = self.row_adapter[source]
+        if source in self.trails:
+            for t in targets:
+                self.trails[t] = self.trails[source].copy()
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
@@ -76,7 +162,8 @@ class Runner:
         return out
 
     def free(self, rows: list[int]):
-        for row in rows:
-            self.row_adapter[row] = 0
+        for r in rows:
+            self.trails.pop(r, None)
+            self.row_adapter[r] = 0
         if rows:
             self.cache.reset_rows(rows)

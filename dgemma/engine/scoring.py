@@ -110,19 +110,33 @@ def score_positions(model, hidden: torch.Tensor, targets: torch.Tensor, k: int):
 
 
 class ScoringBatch:
-    """Scoring requests admitted together, each in its own cache row; `advance` runs one chunk."""
+    """Scoring requests admitted together, each in its own cache row; `advance` runs one chunk.
 
-    def __init__(self, requests: list[Request], chunk_tokens: int = SCORE_CHUNK_TOKENS):
+    A prompt whose start is in the engine's prefix cache takes it (entries and the encoder's hidden
+    states, scored here at once) and encodes the rest alone; the others share prefixes as above."""
+
+    def __init__(self, requests: list[Request], chunk_tokens: int, runner):
         self.requests = requests
         self.chunk_tokens = chunk_tokens
+        self.runner = runner
         self.k = max(1, max(r.score_top for r in requests))
-        clusters = plan_clusters([r.prompt for r in requests], MIN_SHARED_TOKENS)
-        self.clusters = [([requests[i] for i in members], q) for members, q in clusters]
-        self.start = {id(r): q for members, q in self.clusters for r in members}  # where a row's own pass begins
         self.scores = {id(r): PromptScores(torch.full((len(r.prompt) - 1,), float("nan")),
                                            torch.zeros(len(r.prompt), self.k, dtype=torch.long),
                                            torch.zeros(len(r.prompt), self.k))
                        for r in requests}
+        cached = []
+        for r in requests:  # at least the last token is encoded: its row must hold something of its own
+            r.cached_tokens, _, hidden = runner.start_row(r.row, r.prompt, None, r.adapter, len(r.prompt) - 1,
+                                                          want_hidden=True)
+            if r.cached_tokens:
+                cached.append(r)
+                self._score_cached(r, hidden)
+        rest = [r for r in requests if not r.cached_tokens]
+        clusters = plan_clusters([r.prompt for r in rest], MIN_SHARED_TOKENS)
+        self.clusters = [([rest[i] for i in members], q) for members, q in clusters]
+        self.clusters += [([r], 0) for r in cached]
+        self.start = {id(r): q for members, q in self.clusters for r in members}  # where a row's own pass begins
+        self.start.update({id(r): r.cached_tokens for r in cached})
         self.phase = "prefix" if any(q > 0 for _, q in self.clusters) else "own"
         self.offset = 0  # positions done in this phase (past each row's start)
         self.encoded_tokens = 0  # real tokens through the encoder, for benchmarks
@@ -135,7 +149,15 @@ class ScoringBatch:
     def cancelled(self) -> bool:
         return all(r.cancel_requested for r in self.requests)
 
-    def advance(self, model, cache):
+    def _score_cached(self, r: Request, hidden: torch.Tensor):
+        """Positions 0 .. n - 1 of a prompt from the cached hidden states (n, H)."""
+        n = hidden.shape[0]
+        targets = torch.tensor(r.prompt[1 : n + 1])
+        target_lp, top_ids, top_lp = score_positions(self.runner.model, hidden, targets, self.k)
+        s = self.scores[id(r)]
+        s.top_ids[:n], s.top_logprobs[:n], s.token_logprobs[:n] = top_ids, top_lp, target_lp
+
+    def advance(self):
         """One chunk of the current phase; the copy of the shared prefixes rides with the last prefix chunk."""
         if self.phase == "prefix":
             # spans: (request whose row and tokens these are, first position, end, who shares the results)
@@ -150,21 +172,21 @@ class ScoringBatch:
             width = min(width, min(end - start - self.offset for _, start, end, _ in spans))
         else:
             # padding ends a row (nothing follows it), but must stay inside the row's positions
-            width = min(width, cache.max_length - max(start + self.offset for _, start, _, _ in spans))
-        self._encode(model, cache, spans, width)
+            width = min(width, self.runner.cache.max_length - max(start + self.offset for _, start, _, _ in spans))
+        self._encode(spans, width)
         self.offset += width
         if all(s[1] + self.offset >= s[2] for s in spans):
             if self.phase == "prefix":
                 for members, q in self.clusters:
                     if q > 0 and len(members) > 1:
-                        cache.copy_row(members[0].row, [r.row for r in members[1:]])
+                        self.runner.copy_row(members[0].row, [r.row for r in members[1:]])
                 self.phase, self.offset = "own", 0
             else:
                 self.phase = "done"
                 for r in self.requests:
                     r.scores = self.scores[id(r)]
 
-    def _encode(self, model, cache, spans, width: int):
+    def _encode(self, spans, width: int):
         """Encode positions [start + offset, +width) of every span in its row, right-padded."""
         pieces, positions = [], []
         for r, start, end, _ in spans:
@@ -180,9 +202,11 @@ class ScoringBatch:
             valid[i, : len(piece)] = True
             # position j predicts token j + 1; the last position predicts the unknown token after the prompt
             targets[i, : len(piece)] = torch.tensor([r.prompt[j + 1] if j + 1 < len(r.prompt) else -1 for j in span])
+        model = self.runner.model
         device = model.device
         rows = [r.row for r, *_ in spans]
-        hidden = model.encode(ids.to(device), cache, valid.to(device), rows=rows, return_hidden=True)  # (n, c, H)
+        hidden = self.runner.encode_rows(ids.to(device), rows, valid.to(device), counts=[len(p) for p in pieces],
+                                         tokens=pieces)  # (n, c, H)
         # the positions holding tokens, found on the host (a boolean mask on the device would wait for it)
         filled = to_device(valid.view(-1).nonzero()[:, 0].tolist(), torch.long, device)
         target_lp, top_ids, top_lp = score_positions(model, hidden.flatten(0, 1)[filled], targets[valid], self.k)

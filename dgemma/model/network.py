@@ -351,6 +351,7 @@ class DiffusionGemma(nn.Module):
         return_hidden: bool = False,
         pixel_values: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
+        entries_out: list | None = None,
     ):
         """input_ids (B, T) -> logits (B, T, V) fp32 (or hidden (B, T, H)); appends to the cache.
 
@@ -361,6 +362,8 @@ class DiffusionGemma(nn.Module):
         hold, in order (row by row); their soft tokens take the places of the `image_token_id` tokens
         (see `dgemma.images`). With use_bidirectional_attention="vision" one image's tokens see each
         other both ways.
+        `entries_out`, a list, receives every layer's new cache entries (k, v or None), each (B, Hkv, T, D),
+        all T tokens even where a sliding layer's ring keeps fewer (the engine's prefix cache keeps them).
         """
         B, T = input_ids.shape
         cache.check_room(T, rows)
@@ -394,6 +397,8 @@ class DiffusionGemma(nn.Module):
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
         cache.commit_positions(rows, positions, valid, padded=attention_mask is not None)
+        if entries_out is not None:
+            entries_out.extend(entries)
         if return_hidden:
             return x
         return self.head(x) if return_logits else None

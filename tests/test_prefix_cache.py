@@ -1,0 +1,136 @@
+"""The prefix cache and chunked prefill give the same tokens as encoding every prompt whole, whatever was
+cached or evicted before; the cache stays within its budget; running requests step between chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.config import SamplingConfig
+from dgemma.engine import Engine, Request
+from dgemma.model.quant import quantize_model
+from tests.conftest import perturb_every_tensor
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)  # the tiny preset: a sliding window of 8 (rings of 7 slots) against blocks of 16
+    return perturb_every_tensor(dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval())
+
+
+def _sampling(**kw):
+    # an EOS outside the vocabulary: every canvas but the last is committed into the row
+    return SamplingConfig(**{**dict(max_new_tokens=40, eos_token_ids=(1000,), max_denoising_steps=4), **kw})
+
+
+BASE = [(7 * i + 3) % 120 + 2 for i in range(40)]
+
+
+def _one_by_one(engine, prompts, seeds, sampling):
+    return [engine.generate([p], sampling, seeds=[s])[0] for p, s in zip(prompts, seeds)]
+
+
+def _block_bytes(engine) -> int:
+    return next(iter(engine.prefix_cache.blocks.values())).nbytes
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_cached_prefixes_give_the_same_tokens(model, quantised):
+    if quantised:
+        model = quantize_model(perturb_every_tensor(dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()), "int8")
+    s = _sampling()
+    plain = Engine(model, max_batch=1, max_length=256)
+    cached = Engine(model, max_batch=1, max_length=256, prefix_cache_bytes=1 << 24)
+    first = _one_by_one(cached, [BASE], [0], s)[0]
+    assert first.tokens == _one_by_one(plain, [BASE], [0], s)[0].tokens and first.cached_tokens == 0
+    prompts = [
+        BASE[:37] + [5, 9, 11],  # parts from the first inside its third block: two blocks (32 tokens) taken
+        BASE,  # the same prompt again: its whole blocks
+        BASE + first.tokens[:32] + [3, 4, 5],  # the prompt and two committed canvases: 72 tokens, 4 blocks
+        [9] + BASE,  # shifted by one: nothing
+    ]
+    seeds = [1, 2, 3, 4]
+    again = _one_by_one(cached, prompts, seeds, s)
+    alone = _one_by_one(plain, prompts, seeds, s)
+    assert [r.tokens for r in again] == [r.tokens for r in alone]
+    assert [r.cached_tokens for r in again] == [32, 32, 64, 0]
+    stats = cached.prefix_cache.stats
+    assert (stats.lookups, stats.hits, stats.cached_tokens) == (5, 3, 128)
+
+
+def test_evicted_blocks_and_the_budget(model):
+    """A budget of three blocks: requests evict others' blocks, find only what is left (a run of blocks
+    ends at the first evicted one), and their tokens are still those of no cache."""
+    s = _sampling(max_new_tokens=16)
+    probe = Engine(model, max_batch=1, max_length=256, prefix_cache_bytes=1 << 24)
+    probe.generate([BASE], s, seeds=[0])
+    budget = 3 * _block_bytes(probe)
+    engine = Engine(model, max_batch=2, max_length=256, prefix_cache_bytes=budget)
+    plain = Engine(model, max_batch=2, max_length=256)
+    prompts = [BASE, [4] + BASE, BASE[:20] + [3] * 30, BASE, [4] + BASE[:33]]
+    got = engine.generate(prompts, s, seeds=list(range(5)))
+    want = plain.generate(prompts, s, seeds=list(range(5)))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    stats = engine.prefix_cache.stats
+    assert stats.evictions > 0 and stats.bytes <= budget and stats.blocks <= 3
+    assert stats.bytes == sum(b.nbytes for b in engine.prefix_cache.blocks.values())
+    # the first two fill 4 blocks: BASE's first goes. The third shares that block's tokens (encoded again)
+    # and fills the cache with its own 3; BASE again finds its first block there, its second evicted
+    assert [r.cached_tokens for r in got] == [0, 0, 0, 16, 0]
+
+
+def test_memory_stays_within_the_budget(model):
+    """Many requests with different prompts: the blocks held never pass the budget, and rows leave
+    nothing behind (without eviction the blocks of 60 prompts would be 20 times the budget)."""
+    s = _sampling(max_new_tokens=16, max_denoising_steps=1)
+    engine = Engine(model, max_batch=4, max_length=256, prefix_cache_bytes=1 << 24)
+    engine.generate([BASE], s, seeds=[0])
+    budget = 6 * _block_bytes(engine)
+    engine = Engine(model, max_batch=4, max_length=256, prefix_cache_bytes=budget)
+    held = []
+    for i in range(6):
+        prompts = [[(i * 10 + j) % 120 + 2] + BASE[:39] for j in range(10)]
+        engine.generate(prompts, s, seeds=list(range(10)))
+        held.append(engine.prefix_cache.stats.bytes)
+    stats = engine.prefix_cache.stats
+    assert stats.inserted == 120 and max(held) <= budget and stats.evictions == 120 - stats.blocks
+    assert not engine.runner.trails
+
+
+def test_scoring_reads_cached_prefixes(model):
+    base = BASE + BASE[:10]
+    prompts = [base + [5, 6, 7], base + [8, 9]]
+    plain = Engine(model, max_batch=2, max_length=256).score(prompts, top=3)
+    engine = Engine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    engine.score([base + [1]], top=1)
+    got = engine.score(prompts, top=3)
+    assert [r.cached_tokens for r in got] == [48, 48]
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a.scores.token_logprobs, b.scores.token_logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(a.scores.top_ids, b.scores.top_ids)
+    # a generating request then finds what scoring left
+    r = engine.generate([base], _sampling(max_new_tokens=16), seeds=[0])[0]
+    assert r.cached_tokens == 48
+
+
+def test_chunked_prefill_lets_running_requests_step(model):
+    """A long prompt read 8 tokens a step: the running request takes a denoising step between every two
+    chunks, and both answers are those of prompts encoded whole."""
+    s = _sampling(max_new_tokens=48, max_denoising_steps=4, fixed_steps=True)
+    engine = Engine(model, max_batch=2, max_length=256, prefill_chunk=8)
+    log = []
+    prefill, denoise = engine.runner.prefill, engine.runner.denoise
+    engine.runner.prefill = lambda row, ids, images=None: (log.append(("chunk", row, len(ids))),
+                                                           prefill(row, ids, images))[1]
+    engine.runner.denoise = lambda rows, *a: (log.append(("step", tuple(rows))), denoise(rows, *a))[1]
+    running = engine.submit(Request(prompt=BASE[:5], sampling=s, seed=0))
+    engine.step()
+    long = engine.submit(Request(prompt=BASE + BASE, sampling=s, seed=1))
+    engine.run_until_done([running, long])
+    chunks = [i for i, e in enumerate(log) if e[0] == "chunk" and e[1] == 1]  # the long prompt's row
+    assert len(chunks) == 10 and all(log[i + 1] == ("step", (0,)) for i in chunks[:-1])
+    assert log[chunks[-1] + 1] == ("step", (0, 1))
+    whole = Engine(model, max_batch=2, max_length=256, prefill_chunk=1000)
+    assert [r.tokens for r in whole.generate([BASE[:5], BASE + BASE], s, seeds=[0, 1])] == [running.tokens,
+                                                                                         long.tokens]
