@@ -134,3 +134,34 @@ def test_chunked_prefill_lets_running_requests_step(model):
     whole = Engine(model, max_batch=2, max_length=256, prefill_chunk=1000)
     assert [r.tokens for r in whole.generate([BASE[:5], BASE + BASE], s, seeds=[0, 1])] == [running.tokens,
                                                                                          long.tokens]
+
+
+def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`dgemma chat`'s second and third turns start from the previous prompt and answer: the prefix cache
+    gives all of it but the last partial block, and the prompt holds the answer as the model wrote it."""
+    import io
+    import json
+    import shutil
+
+    folder = tmp_path / "model"  # the tiny chat template, with the model's turns named as Gemma's are
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "{{ m['role'] }}", "{{ 'model' if m['role'] == 'assistant' else m['role'] }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+    from dgemma.cli import main
+    from dgemma.engine import engine as engine_module
+
+    seen = []
+    submit = engine_module.Engine.submit
+    monkeypatch.setattr(engine_module.Engine, "submit", lambda self, r: (seen.append(r), submit(self, r))[1])
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nhow are you\nthe day\n"))
+    assert main(["chat", "--model", str(folder), "--max-new-tokens", "16", "--steps", "2", "--seed", "0",
+                 "--prefix-cache-gib", "0.01"]) == 0
+    capsys.readouterr()
+    assert len(seen) == 3
+    for before, after in zip(seen, seen[1:]):
+        kept = before.prompt + before.tokens
+        assert after.prompt[: len(kept)] == kept
+        assert after.cached_tokens == len(kept) // 16 * 16 > 0

@@ -218,3 +218,46 @@ def read_prompt(text: str | None) -> str:
     if not text.strip():
         raise UsageError("the prompt is empty")
     return text
+
+
+def add_prefix_cache_arguments(p):
+    """--prefix-cache-gib and --prefill-chunk (serve, chat, generate)."""
+    p.add_argument("--prefix-cache-gib", type=non_negative_float, default=None, metavar="GIB",
+                   help="memory for the prefix cache, which keeps encoded prompts and answers so a prompt that "
+                        "starts like an earlier one (a chat's next turn, a shared system prompt) encodes only "
+                        "the rest (default: a quarter of the free memory, at most 16; 0 turns it off)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens encoded per engine step (default: one canvas while other requests "
+                        "are denoising, so they keep stepping; 8 canvases when none is)")
+
+
+def free_memory_bytes(device) -> int:
+    """Memory free for new tensors on the model's device: CUDA's free memory, else the host's available
+    memory (Linux's MemAvailable, which counts reclaimable page cache; elsewhere the free pages)."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
+    """The prefix cache's budget from --prefix-cache-gib, or the default, said on stderr when `say`."""
+    if args.prefix_cache_gib is not None:
+        return int(args.prefix_cache_gib * 2**30)
+    if getattr(args, "tp", None) is not None:  # split ranks must hold the same blocks: only a budget given alike
+        return 0
+    budget = min(free_memory_bytes(model.device) // 4, 16 << 30)
+    if say:
+        print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB (a quarter of the free memory; "
+              f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
+    return budget

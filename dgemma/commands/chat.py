@@ -1,6 +1,10 @@
 """`dgemma chat`: a terminal conversation; each answer streams canvas by canvas.
 
 `/image PATH` attaches an image to the next message (several may be attached); `/exit` ends the chat.
+
+The conversation is kept as token ids: turn N's prompt is turn N-1's prompt, the answer's own tokens and
+what the template writes after them (`next_prompt`), and every answer is encoded into the engine's
+prefix cache when it ends, so turn N encodes only what it added (from the last whole cache block on).
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
+    add_prefix_cache_arguments,
     add_sampling_arguments,
     load_from_args,
+    prefix_cache_bytes,
     sampling_from_args,
 )
 
@@ -24,6 +30,7 @@ def add_arguments(p):
     p.add_argument("--show-drafts", action="store_true", help="draw each canvas live while it denoises")
     p.add_argument("--think", action="store_true",
                    help="let the model think before it answers (Gemma 4's thinking mode); thoughts show dimmed")
+    add_prefix_cache_arguments(p)
     add_sampling_arguments(p)
 
 
@@ -39,6 +46,7 @@ class AnswerPrinter:
         self.assembler = TextAssembler(codec.decode_chat, [], codec.unsettled)
         self.output = ChatOutput(parse_tools=False)
         self.last = None  # the kind of the last part shown
+        self.thought = False  # the answer held thoughts
 
     def add(self, tokens: list[int]):
         self._show(self.output.add(self.assembler.add(tokens)))
@@ -50,11 +58,27 @@ class AnswerPrinter:
 
     def _show(self, parts):
         for kind, text in parts:
+            self.thought |= kind == "reasoning"
             if kind == "content" and self.last == "reasoning":
                 self.console.print()
             self.console.print(text, style="dim" if kind == "reasoning" else None, end="", markup=False,
                                highlight=False)
             self.last = kind
+
+
+def next_prompt(tokenizer, messages: list[dict], template_kwargs: dict, last) -> list[int]:
+    """The prompt for `messages` (ending with the new user turn). `last`: (the previous prompt, its text, the
+    answer's tokens, None when it held thoughts) or None. When the template writes the previous prompt's
+    text and then the reply, the ids are the previous prompt's, the answer's as the model wrote them and
+    the template's rest; otherwise (thoughts, which the template drops) the whole chat rendered again."""
+    text = tokenizer.render_chat(messages, add_generation_prompt=True, **template_kwargs)
+    if last is not None and last[2] is not None:
+        prompt, prompt_text, answer = last
+        reply = messages[-2]["content"]
+        head = prompt_text + reply
+        if isinstance(reply, str) and text.startswith(head):
+            return prompt + answer + tokenizer.encode(text[len(head):], add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def run(args):
@@ -71,7 +95,8 @@ def run(args):
         raise UsageError(f"{args.model} has no chat template; use `dgemma generate` for plain text")
     sampling = sampling_from_args(model, args)
     context = model.config.max_position_embeddings
-    engine = Engine(model, max_batch=1, max_length=context)
+    engine = Engine(model, max_batch=1, max_length=context, prefill_chunk=args.prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes(args, model, "chat", say=sys.stdin.isatty()))
     console = rich.console.Console(stderr=True)
     out = rich.console.Console(soft_wrap=True)  # the answers, on standard output
     codec = TextCodec(tokenizer, model.config.vocab_size)
@@ -79,7 +104,7 @@ def run(args):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = _tensor_parallel.agree(args, sys.stdin.isatty)  # rank 0 reads; every rank runs each turn
     images, attached = [], []  # every image of the conversation, in order; those for the next message
-    turn = 0
+    turn, last = 0, None
     while True:
         if interactive:
             console.print("[bold]you>[/] ", end="")
@@ -106,7 +131,8 @@ def run(args):
             continue
         messages.append({"role": "user", "content": user_content(line.strip(), len(attached))})
         images, attached = images + attached, []
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        prompt = next_prompt(tokenizer, messages, template_kwargs, None if images else last)
+        prompt_text = tokenizer.render_chat(messages, add_generation_prompt=True, **template_kwargs)
         prompt, image_inputs = with_images(model, args.model, prompt, images)
         room = (context - len(prompt)) // model.config.canvas_length * model.config.canvas_length  # whole canvases
         if room < 1:
@@ -125,7 +151,7 @@ def run(args):
 
         seed = (sampling.seed or 0) + turn
         request = Request(prompt=prompt, sampling=budget, seed=seed, want_drafts=view is not None, on_event=on_event,
-                          images=image_inputs)
+                          images=image_inputs, cache_answer=True)
         engine.submit(request)
         if interactive:
             console.print("[bold]model>[/] ", end="")
@@ -137,4 +163,5 @@ def run(args):
         reply = printer.finish()
         out.print()
         messages.append({"role": "assistant", "content": reply})
+        last = (prompt, prompt_text, None if printer.thought else request.tokens)
         turn += 1

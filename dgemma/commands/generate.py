@@ -10,8 +10,10 @@ from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
+    add_prefix_cache_arguments,
     add_sampling_arguments,
     load_from_args,
+    prefix_cache_bytes,
     read_prompt,
     sampling_from_args,
 )
@@ -32,6 +34,7 @@ def add_arguments(p):
     structured.add_argument("--json-schema", metavar="FILE", default=None,
                             help="answer with JSON valid under this JSON schema (supported subset: docs/serving.md)")
     structured.add_argument("--json-object", action="store_true", help="answer with a JSON object")
+    add_prefix_cache_arguments(p)
     add_sampling_arguments(p)
     _tensor_parallel.add_arguments(p)
 
@@ -163,7 +166,8 @@ def run(args):
     if need > context:
         raise UsageError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceed the "
                          f"model's context of {context}")
-    engine = Engine(model, max_batch=1, max_length=need)
+    engine = Engine(model, max_batch=1, max_length=need, prefix_cache_bytes=prefix_cache_bytes(args, model, "generate"),
+                    prefill_chunk=args.prefill_chunk)
     stream = TextStream(tokenizer) if not args.json else None
     console = rich.console.Console(stderr=True)
     view = DraftView(tokenizer, console) if args.show_drafts and not args.json else None

@@ -15,8 +15,10 @@ from dgemma.commands._common import (
     add_model_arguments,
     compile_mode,
     load_from_args,
+    add_prefix_cache_arguments,
     non_negative_float,
     positive_int,
+    prefix_cache_bytes,
     wants_compile,
 )
 
@@ -29,6 +31,7 @@ LOST_RANKS_GRACE_S = 10.0
 def add_arguments(p):
     add_model_arguments(p, compile_by_default=True)
     _tensor_parallel.add_arguments(p)
+    add_prefix_cache_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; the chosen port is printed)")
@@ -310,7 +313,8 @@ def build_state(args, on_fatal=None):
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(args, folder, model) if task == "text" else None
     set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
-    engine_args = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length)
+    engine_args = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length,
+                       prefix_cache_bytes=prefix_cache_bytes(args, model, "serve"), prefill_chunk=args.prefill_chunk)
     engine_class = Engine
     if getattr(args, "tp", None) is not None:
         from dgemma.engine.lockstep import LockstepEngine

@@ -147,11 +147,17 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
     finally:
         watcher.cancel()
         _cancel_all(state.worker, streams)
-    counts = usage(prompt_tokens, sum(len(c.assembler.tokens) for c in choices))
+    counts = usage(prompt_tokens, sum(len(c.assembler.tokens) for c in choices), _cached_tokens(choices, body.choices))
     stats = _stats(state, choices[0])
     if len(choices) > 1:
         stats["choices"] = [_stats(state, c) for c in choices]
     return writer.response(answers, counts, stats)
+
+
+def _cached_tokens(choices: list[Choice], n: int) -> int:
+    """Prompt tokens read from the prefix cache, each prompt counted once (as prompt_tokens counts it): by
+    its first choice."""
+    return sum(c.stream.request.cached_tokens for c in choices[::n])
 
 
 def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[SamplingConfig], constraint,
@@ -217,7 +223,8 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
     choices = [scored_choice(state.codec, prompt, echo, stream.request.scores, echo=body.echo,
                              next_token=body.max_tokens == 1, top=body.logprobs)
                for prompt, echo, stream in zip(prompts, echoes, streams)]
-    counts = usage(sum(len(p) for p in prompts), len(prompts) * body.max_tokens)
+    counts = usage(sum(len(p) for p in prompts), len(prompts) * body.max_tokens,
+                   sum(s.request.cached_tokens for s in streams))
     stats = {"elapsed_s": time.perf_counter() - streams[0].request.t_submit}
     return writer.response([(c["text"], "length") for c in choices], counts, stats,
                            logprobs=[c["logprobs"] for c in choices])
@@ -325,7 +332,7 @@ async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter
                 yield sse(writer.finish(value, _stats(state, choices[i]), i))
         if body.include_usage:
             completion = sum(len(c.assembler.tokens) for c in choices)
-            yield sse(writer.usage_chunk(usage(prompt_tokens, completion)))
+            yield sse(writer.usage_chunk(usage(prompt_tokens, completion, _cached_tokens(choices, body.choices))))
     except APIError as e:  # the headers are gone; the error travels as an event (the client raises it)
         yield sse(e.body())
     finally:

@@ -28,10 +28,15 @@ class Body(BaseModel):
 # -- generation -----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Body):
+    cached_tokens: int = Field(description="prompt tokens taken from the prefix cache instead of encoded")
+
+
 class Usage(Body):
     prompt_tokens: int = Field(description="an image's soft tokens included")
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Stats(Body):
@@ -226,6 +231,19 @@ class ModelList(Body):
     data: list[ModelCard]
 
 
+class PrefixCacheStats(Body):
+    """The engine's prefix cache (dgemma.engine.prefix_cache.PrefixCacheStats)."""
+
+    blocks: int = Field(description="blocks held now")
+    bytes: int = Field(description="their bytes")
+    budget_bytes: int
+    lookups: int = Field(description="requests that looked their prompt up")
+    hits: int = Field(description="requests that took at least one block")
+    cached_tokens: int = Field(description="prompt tokens taken from the cache, all requests")
+    inserted: int = Field(description="blocks stored")
+    evictions: int = Field(description="blocks dropped for room")
+
+
 class Health(Body):
     status: Literal["ok", "draining", "unavailable"]
     model: str
@@ -234,6 +252,7 @@ class Health(Body):
     waiting: int
     max_batch: int
     max_queue: int
+    prefix_cache: PrefixCacheStats | None = Field(description="null when the prefix cache is off")
 
 
 class TokenizerInfo(Body):
@@ -262,9 +281,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """OpenAI's usage; `cached_tokens`: prompt tokens the engine's prefix cache gave instead of the encoder."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class ChunkWriter:

@@ -71,10 +71,12 @@ class RequestStream:
 
 class EngineWorker:
     def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None,
-                 engine_class=Engine, on_fatal=None):
+                 engine_class=Engine, on_fatal=None, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int | None = None):
         """engine_class: Engine, or LockstepEngine on rank 0 of a split model; there a failed step is fatal
         (the ranks are out of step): `fatal` says why, new work is refused (503) and `on_fatal()` runs."""
-        self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length)
+        self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length,
+                                 prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
         self.model = model
         self.engine_class, self.on_fatal, self.fatal = engine_class, on_fatal, None
         self.engine = engine_class(model, **self._engine_args)
@@ -159,7 +161,9 @@ class EngineWorker:
     def load(self) -> dict:
         engine = self.engine
         active, waiting = (len(engine.active), len(engine.waiting)) if engine is not None else (0, 0)
-        return {"active": active, "waiting": waiting, "max_batch": self.max_batch, "max_queue": self.max_queue}
+        cache = engine.prefix_cache if engine is not None else None
+        return {"active": active, "waiting": waiting, "max_batch": self.max_batch, "max_queue": self.max_queue,
+                "prefix_cache": None if cache is None else cache.stats.as_dict()}
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the queue ahead, served max_batch at a time."""
