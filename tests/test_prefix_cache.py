@@ -165,3 +165,43 @@ def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypa
         kept = before.prompt + before.tokens
         assert after.prompt[: len(kept)] == kept
         assert after.cached_tokens == len(kept) // 16 * 16 > 0
+
+
+def test_server_reports_cached_tokens_and_answers_alike(tiny_model_dir):
+    """16 clients at once, sharing a long system prompt, twice over: the same text per seed whether the
+    prefix came from the cache or not, no 5xx, cached_tokens in usage, the counters on /health; scoring
+    gives the same log-probabilities from the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import WORDS
+    from tests.test_server import MODEL, ServerProcess
+
+    system = " ".join(WORDS[i % 40] for i in range(60))
+    server = ServerProcess(tiny_model_dir, "--max-batch", "4", "--max-queue", "32", "--prefix-cache-gib", "0.01")
+    try:
+        client = server.client()
+
+        def ask(seed):
+            out = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "system", "content": system},
+                                       {"role": "user", "content": WORDS[seed % 50]}],
+                max_tokens=16, seed=seed, extra_body={"steps": 2})
+            return out.choices[0].message.content, out.usage.prompt_tokens_details.cached_tokens
+
+        with ThreadPoolExecutor(16) as pool:
+            first = list(pool.map(ask, range(16)))
+            second = list(pool.map(ask, range(16)))
+        assert [text for text, _ in first] == [text for text, _ in second]
+        assert all(cached >= 48 for _, cached in second)
+        stats = server.health()["prefix_cache"]
+        assert stats["hits"] >= 16 and stats["blocks"] > 0 and stats["bytes"] <= stats["budget_bytes"]
+
+        def score():
+            return client.completions.create(model=MODEL, prompt=system + " the end", echo=True, logprobs=2,
+                                              max_tokens=0)
+        cold, warm = score(), score()
+        assert warm.usage.prompt_tokens_details.cached_tokens >= 48
+        assert warm.choices[0].logprobs.token_logprobs == pytest.approx(cold.choices[0].logprobs.token_logprobs,
+                                                                        abs=1e-5, nan_ok=True)
+    finally:
+        server.stop_cleanly()
