@@ -3,6 +3,8 @@ cached or evicted before; the cache stays within its budget; running requests st
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def model():
 
 def _sampling(**kw):
     # an EOS outside the vocabulary: every canvas but the last is committed into the row
-    return SamplingConfig(**{**dict(max_new_tokens=40, eos_token_ids=(1000,), max_denoising_steps=4), **kw})
+    return SamplingConfig(**{"max_new_tokens": 40, "eos_token_ids": (1000,), "max_denoising_steps": 4, **kw})
 
 
 BASE = [(7 * i + 3) % 120 + 2 for i in range(40)]
@@ -161,7 +163,7 @@ def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypa
                  "--prefix-cache-gib", "0.01"]) == 0
     capsys.readouterr()
     assert len(seen) == 3
-    for before, after in zip(seen, seen[1:]):
+    for before, after in itertools.pairwise(seen):
         kept = before.prompt + before.tokens
         assert after.prompt[: len(kept)] == kept
         assert after.cached_tokens == len(kept) // 16 * 16 > 0

@@ -4,8 +4,10 @@ share one forward, finished or cancelled ones leave at once.
 The parts, as in nano-vllm: request.py (one request's state), scheduler.py (the queue, free cache rows,
 cancellation, which requests step together), runner.py (the model and its cache), and this loop.
 Each iteration (`step`):
-  1. drop cancelled requests; admit waiting requests into free cache rows (prefill their prompts) and
-     start their first canvas;
+  1. drop cancelled requests; admit waiting requests into free cache rows; read the next chunk of the
+     oldest prompts not yet in their rows (a prompt starts from the prefix cache, prefix_cache.py, and
+     encodes the rest `prefill_budget` tokens a step, so running requests keep stepping while a long
+     prompt is read) and start the first canvas of each prompt now all in;
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
      generator) and stop rule; the host reads the device once per step, for the stop flags, the
      accepted counts and the argmax canvases together (`dgemma.device_sync`; tests/test_syncs.py);

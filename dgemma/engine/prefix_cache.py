@@ -175,6 +175,6 @@ class RowTrail:
         self.hidden = [hidden_all[rest]]
         self.position += len(tokens)
 
-    def copy(self) -> "RowTrail":
+    def copy(self) -> RowTrail:
         return RowTrail(self.key, self.position, dict(self.salts), list(self.tokens), list(self.entries),
                         list(self.hidden))
