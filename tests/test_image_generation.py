@@ -118,3 +118,21 @@ def test_bad_image_inputs_are_refused_at_submit(vision_model, processor, tiny_mo
     text_only = Engine(dgemma.load_model(tiny_model_dir), max_batch=1, max_length=128)
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.submit(Request(prompt=prompt, sampling=s, seed=0, images=inputs))
+
+
+@torch.no_grad()
+def test_prefix_cache_keys_images_by_their_pixels(vision_model, processor):
+    """A prompt that repeats an earlier one's image takes its blocks through the image; the same tokens
+    with other pixels take none; the tokens are those of no cache."""
+    model = vision_model
+    image = model.config.image_token_id
+    first, inputs = image_prompt(model, processor, [2, 40, image, 41, 42] + [43] * 20, [picture(37, 53)])
+    other, other_inputs = image_prompt(model, processor, [2, 40, image, 41, 42] + [43] * 20, [picture(37, 53, 1)])
+    cases = [(first, inputs), (first + [45, 46], inputs), (other, other_inputs)]
+    s = sampling(model)
+    cached = Engine(model, max_batch=1, max_length=256, prefix_cache_bytes=1 << 26)
+    plain = Engine(model, max_batch=1, max_length=256)
+    got = [cached.generate([p], s, seeds=[i], images=[im])[0] for i, (p, im) in enumerate(cases)]
+    want = [plain.generate([p], s, seeds=[i], images=[im])[0] for i, (p, im) in enumerate(cases)]
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.cached_tokens for r in got] == [0, len(first) // 16 * 16, 0] and len(first) >= 32

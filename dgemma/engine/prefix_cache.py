@@ -169,10 +169,10 @@ class RowTrail:
             cache.insert(Block(self.key, [k[:, a : a + B].to(dtype).clone() for k in keys],
                                [None if v is None else v[:, a : a + B].to(dtype).clone() for v in values],
                                hidden_all[a : a + B].clone()))
-        rest = slice(whole, None)
+        rest = slice(whole, None)  # copied, so the chunk's tensors can go
         self.tokens = self.tokens[rest]
-        self.entries = [[(k[:, rest], None if v is None else v[:, rest]) for k, v in zip(keys, values)]]
-        self.hidden = [hidden_all[rest]]
+        self.entries = [[(k[:, rest].clone(), None if v is None else v[:, rest].clone()) for k, v in zip(keys, values)]]
+        self.hidden = [hidden_all[rest].clone()]
         self.position += len(tokens)
 
     def copy(self) -> RowTrail:
