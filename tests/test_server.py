@@ -175,8 +175,11 @@ def test_models_and_health(server, client):
     assert card["task"] == "text" and card["canvas_length"] == 16 and card["max_length"] == 256
     assert card["defaults"]["steps"] == 8
     assert client.models.retrieve(MODEL).id == MODEL
-    assert server.health() == {"status": "ok", "model": MODEL, "step": "eager", "active": 0, "waiting": 0,
-                               "max_batch": 4, "max_queue": 16}
+    health = server.health()
+    cache = health.pop("prefix_cache")  # on by default, its budget sized from the free memory
+    assert health == {"status": "ok", "model": MODEL, "step": "eager", "active": 0, "waiting": 0, "max_batch": 4,
+                      "max_queue": 16}
+    assert cache["budget_bytes"] > 0 and cache["bytes"] <= cache["budget_bytes"]
 
 
 def test_completion_equals_the_engine_alone(client, reference):

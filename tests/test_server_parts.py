@@ -206,7 +206,8 @@ def test_bodies_carry_the_fields_given_and_none_left_out():
     assert set(chat.text("hi")) == {"id", "object", "created", "model", "choices"}
     draft = {"canvas": 0, "step": 1, "tokens": [5], "pieces": ["a"], "entropy": [0.5], "accepted": [True]}
     assert chat.draft(draft)["choices"][0] == {"index": 0, "delta": {}, "finish_reason": None, "dgemma_draft": draft}
-    assert chat.usage_chunk(usage(2, 3))["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert chat.usage_chunk(usage(2, 3, 1))["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                                         "prompt_tokens_details": {"cached_tokens": 1}}
     completion = ChunkWriter(chat=False, model="m")
     assert completion.text("x")["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]
     stats = {"seed": 1, "elapsed_s": 0.5, "sudoku": {"solved": True}}
