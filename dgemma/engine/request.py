@@ -114,6 +114,11 @@ class Request:
         return self.score_top is not None
 
     @property
+    def cached_prefix_tokens(self) -> int:
+        """`cached_tokens` under the name the server's metrics read."""
+        return self.cached_tokens
+
+    @property
     def prefilling(self) -> bool:
         """Holds a row whose prompt is not all in it yet (chunked prefill)."""
         return self.row is not None and not self.scoring and (self.prefilled is None or
