@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+from conftest import torch_threads
 from test_server import MODEL, ServerProcess
 from test_training import reversal_records, write_jsonl
 
@@ -24,9 +25,10 @@ def lora_run(tiny_model_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("lora")
     data = write_jsonl(tmp / "task.jsonl", reversal_records(64))
-    torch.set_num_threads(1)
-    train(TrainConfig(data=str(data), out=str(tmp / "run"), model=str(tiny_model_dir), lora=True, lora_rank=4,
-                      lora_alpha=8, steps=6, batch_size=8, lr=2e-2, warmup_steps=1, save_every=6, progress=False))
+    with torch_threads(1):  # restored after: the tests after this module keep their two threads
+        train(TrainConfig(data=str(data), out=str(tmp / "run"), model=str(tiny_model_dir), lora=True, lora_rank=4,
+                          lora_alpha=8, steps=6, batch_size=8, lr=2e-2, warmup_steps=1, save_every=6,
+                          progress=False))
     return tmp / "run"
 
 

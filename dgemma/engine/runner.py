@@ -71,6 +71,9 @@ class Runner:
                     limit = start
         root = self.prefix_cache.root_key(adapter)
         blocks = self.prefix_cache.match(prompt, root, salts, limit)
+        for start, end in reversed(spans):  # the blocks found may stop inside an image: back off to its start
+            if start < len(blocks) * B < end:
+                blocks = blocks[: start // B]
         matched = len(blocks) * B
         self.trails[row] = RowTrail(blocks[-1].key if blocks else root, matched, salts)
         if blocks:
