@@ -9,17 +9,12 @@ import re
 import sys
 from pathlib import Path
 
+from sudoku_search_results import cell  # one table cell format for both result scripts
+
 BUCKETS = ("easy", "medium", "hard", "minimal")
 GIVENS = {"easy": "40-45", "medium": "30-39", "hard": "24-29", "minimal": "21-23"}
 ORDERS = ("entropy", "margin", "confidence")
 NAME = re.compile(r"(?P<split>val|test)-(?P<order>\w+)-(?P<budget>\d+x\d+)-(?P<bucket>\w+)\.json$")
-
-
-def cell(r: dict | None) -> str:
-    if r is None:
-        return "-"
-    lo, hi = r["ci95"]
-    return f"{100 * r['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] ({r['solved']}/{r['total']})"
 
 
 def main():
