@@ -4,6 +4,11 @@ cached or evicted before; the cache stays within its budget; running requests st
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +103,30 @@ def test_memory_stays_within_the_budget(model):
     stats = engine.prefix_cache.stats
     assert stats.inserted == 120 and max(held) <= budget and stats.evictions == 120 - stats.blocks
     assert not engine.runner.trails
+
+
+def _rss_run(budget: int) -> dict:
+    child = Path(__file__).with_name("prefix_cache_rss_check.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(child), str(budget)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_resident_memory_over_1000_requests_stays_within_the_budget_plus_slack():
+    """1,000 requests with different 256-token prompts (tests/prefix_cache_rss_check.py, a fresh process):
+    with an 8 MiB budget the process's resident memory grows by at most the budget plus a fixed slack after
+    the first 50; the same run with the bound lifted (a 1 TiB budget) grows past that, so the check is one
+    the cache's eviction passes, not one any run would."""
+    budget, slack = 8 << 20, 48 << 20
+    bounded = _rss_run(budget)
+    assert bounded["held_bytes"] <= budget and bounded["rows_left"] == 0
+    assert bounded["evictions"] > 0 and bounded["inserted_bytes"] > 4 * (budget + slack)
+    assert bounded["peak_rss"] - bounded["start_rss"] <= budget + slack, bounded
+    unbounded = _rss_run(1 << 40)
+    assert unbounded["evictions"] == 0
+    assert unbounded["peak_rss"] - unbounded["start_rss"] > budget + slack, unbounded
 
 
 def test_scoring_reads_cached_prefixes(model):
