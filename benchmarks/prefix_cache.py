@@ -4,11 +4,16 @@ model where prefill is the cost (8 layers, 512 wide, fp32, random weights):
   follow-up   a chat's second turn after a ~3,000-token first: time to the first streamed token (the
               first draft, what a client streaming drafts sees) and to the first committed canvas, with
               the cache and with --prefix-cache-gib 0; the same tokens either way
-  shared      16 requests whose prompts share a 1,000-token system prompt: generated tokens per second
+  shared      16 requests whose prompts share a 1,000-token system prompt: generated tokens per second, at
+              each of `--shared-steps` denoising steps per canvas (the prompt's share of the work shrinks
+              as the steps grow: 1,000 prompt tokens against steps x 256 decoder positions a request)
   long        a request denoising while an 8,000-token prompt arrives: its longest gap between two steps
-              against its usual step, chunked prefill (the engine's choice) against the prompt read whole
+              while the prompt is read (through the step beside its last chunk) against its usual step,
+              chunked prefill (the engine's choice) against the prompt read whole; and its first step
+              with the long prompt's canvas beside it (a two-row step, the new usual)
 
-    python benchmarks/prefix_cache.py [--steps 16] [--history 3000] [--long 8000]
+    python benchmarks/prefix_cache.py [--steps 16] [--shared-steps 2,4,16] [--history 3000] [--long 8000]
+    python benchmarks/prefix_cache.py --model diffusiongemma-26b-a4b --cases follow-up   # the 26B shape, int4
 
 Prints a table, then one JSON line.
 """
@@ -109,53 +114,86 @@ def long_prompt(model, sampling, length: int) -> dict:
         while long.prefilling or long.row is None:
             engine.step()
         read_s = time.perf_counter() - start
-        engine.step()
-        gaps = [b - a for a, b in zip(steps[before - 1 :], steps[before:])]
+        gaps = [b - a for a, b in zip(steps[before - 1 :], steps[before:])]  # through the last chunk's step
+        read = len(steps)
+        engine.step()  # the long prompt's canvas joins: the running request's steps are two rows' from now
         engine.cancel(running)
         engine.cancel(long)
         engine.step()
         out[name] = {"usual_step_s": usual, "longest_gap_s": max(gaps), "ratio": max(gaps) / usual,
-                     "prompt_read_s": read_s}
+                     "prompt_read_s": read_s, "gaps_s": [round(gap, 3) for gap in gaps],
+                     "joined_step_s": steps[read] - steps[read - 1], "chunk_tokens": engine.pace.chunk_tokens}
     return out
+
+
+def build_model(name: str):
+    """`512` (the default test bed: bench-20m 512 wide, fp32) or a preset in int4, bf16 and int8 compute where
+    the CPU has it, as the 26B-A4B runs on a CPU."""
+    if name == "512":
+        return model_512()
+    from dgemma.model import int8_compute
+    from dgemma.model.random_weights import random_model
+
+    model = random_model(dgemma.get_preset(name), dtype=torch.bfloat16, quantize="int4", seed=0).eval()
+    int8_compute.enable(model, "auto")
+    return model
+
+
+def report_follow_up(f: dict) -> dict:
+    return {"prompt_tokens": f["cache"]["prompt"], "cached_tokens": f["cache"]["cached"],
+            "first_draft_s": {k: f[k]["first_draft_s"] for k in f},
+            "first_canvas_s": {k: f[k]["first_canvas_s"] for k in f},
+            "first_draft_speedup": f["none"]["first_draft_s"] / f["cache"]["first_draft_s"],
+            "first_canvas_speedup": f["none"]["first_canvas_s"] / f["cache"]["first_canvas_s"],
+            "same_tokens": f["cache"]["tokens"] == f["none"]["tokens"]}
+
+
+def report_shared(s: dict) -> dict:
+    return {steps: {"tokens_per_s": {k: run[k]["tokens_per_s"] for k in run},
+                    "speedup": run["cache"]["tokens_per_s"] / run["none"]["tokens_per_s"],
+                    "same_tokens": run["cache"]["tokens"] == run["none"]["tokens"]}
+            for steps, run in s.items()}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="512", help="512 (bench-20m 512 wide, fp32) or a preset, run in int4 "
+                   "(e.g. diffusiongemma-26b-a4b)")
+    p.add_argument("--cases", default="follow-up,shared,long", help="comma-separated: follow-up, shared, long")
     p.add_argument("--steps", type=int, default=16, help="denoising steps per canvas (fixed)")
     p.add_argument("--history", type=int, default=3000)
     p.add_argument("--system", type=int, default=1000)
+    p.add_argument("--shared-steps", default="2,4,16", help="comma-separated steps per canvas for the shared case")
     p.add_argument("--long", type=int, default=8000)
     args = p.parse_args()
-    model = model_512()
+    cases = args.cases.split(",")
+    model = build_model(args.model)
     sampling = SamplingConfig(max_new_tokens=256, max_denoising_steps=args.steps, fixed_steps=True,
                               eos_token_ids=(model.config.vocab_size,), pad_token_id=0)
-    with torch.no_grad():
-        f = follow_up(model, sampling, args.history)
-        s = shared(model, sampling, args.system)
-        g = long_prompt(model, sampling, args.long)
-    result = {
-        "follow_up": {"prompt_tokens": f["cache"]["prompt"], "cached_tokens": f["cache"]["cached"],
-                      "first_draft_s": {k: f[k]["first_draft_s"] for k in f},
-                      "first_canvas_s": {k: f[k]["first_canvas_s"] for k in f},
-                      "first_draft_speedup": f["none"]["first_draft_s"] / f["cache"]["first_draft_s"],
-                      "first_canvas_speedup": f["none"]["first_canvas_s"] / f["cache"]["first_canvas_s"],
-                      "same_tokens": f["cache"]["tokens"] == f["none"]["tokens"]},
-        "shared": {"tokens_per_s": {k: s[k]["tokens_per_s"] for k in s},
-                   "speedup": s["cache"]["tokens_per_s"] / s["none"]["tokens_per_s"],
-                   "same_tokens": s["cache"]["tokens"] == s["none"]["tokens"]},
-        "long": g,
-        "steps": args.steps, "threads": torch.get_num_threads(),
-    }
-    fu, sh = result["follow_up"], result["shared"]
+    result = {"model": args.model, "steps": args.steps, "threads": torch.get_num_threads()}
     print(f"{'case':<44}{'cache / chunked':>16}{'none / whole':>14}{'ratio':>8}")
-    print(f"{'follow-up: first draft (s), ' + str(fu['prompt_tokens']) + ' tokens':<44}"
-          f"{fu['first_draft_s']['cache']:>16.2f}{fu['first_draft_s']['none']:>14.2f}{fu['first_draft_speedup']:>8.1f}")
-    print(f"{'follow-up: first canvas (s)':<44}{fu['first_canvas_s']['cache']:>16.2f}"
-          f"{fu['first_canvas_s']['none']:>14.2f}{fu['first_canvas_speedup']:>8.1f}")
-    print(f"{'shared 1,000-token system: tokens/s (16 req)':<44}{sh['tokens_per_s']['cache']:>16.1f}"
-          f"{sh['tokens_per_s']['none']:>14.1f}{sh['speedup']:>8.1f}")
-    print(f"{'long prompt: longest gap / usual step':<44}{g['chunked']['ratio']:>16.1f}{g['whole']['ratio']:>14.1f}")
-    print(f"same tokens: follow-up {fu['same_tokens']}, shared {sh['same_tokens']}")
+    with torch.no_grad():
+        if "follow-up" in cases:
+            fu = result["follow_up"] = report_follow_up(follow_up(model, sampling, args.history))
+            print(f"{'follow-up: first draft (s), ' + str(fu['prompt_tokens']) + ' tokens':<44}"
+                  f"{fu['first_draft_s']['cache']:>16.2f}{fu['first_draft_s']['none']:>14.2f}"
+                  f"{fu['first_draft_speedup']:>8.1f}")
+            print(f"{'follow-up: first canvas (s)':<44}{fu['first_canvas_s']['cache']:>16.2f}"
+                  f"{fu['first_canvas_s']['none']:>14.2f}{fu['first_canvas_speedup']:>8.1f}")
+            print(f"  same tokens: {fu['same_tokens']}")
+        if "shared" in cases:
+            sh = result["shared"] = report_shared({
+                steps: shared(model, sampling.replace(max_denoising_steps=steps), args.system)
+                for steps in map(int, args.shared_steps.split(","))})
+            for steps, run in sh.items():
+                label = f"shared {args.system:,}-token system, {steps} steps: tok/s"
+                print(f"{label:<44}{run['tokens_per_s']['cache']:>16.1f}{run['tokens_per_s']['none']:>14.1f}"
+                      f"{run['speedup']:>8.1f}")
+            print("  same tokens: " + ", ".join(f"{steps} steps {run['same_tokens']}" for steps, run in sh.items()))
+        if "long" in cases:
+            g = result["long"] = long_prompt(model, sampling, args.long)
+            print(f"{'long prompt: longest gap / usual step':<44}{g['chunked']['ratio']:>16.1f}"
+                  f"{g['whole']['ratio']:>14.1f}")
     print(json.dumps(result))
 
 

@@ -16,6 +16,7 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Request
+from dgemma.engine.scheduler import PrefillPace
 from dgemma.model.quant import quantize_model
 from tests.conftest import perturb_every_tensor
 
@@ -146,8 +147,9 @@ def test_scoring_reads_cached_prefixes(model):
 
 
 def test_chunked_prefill_lets_running_requests_step(model):
-    """A long prompt read 8 tokens a step: the running request takes a denoising step between every two
-    chunks, and both answers are those of prompts encoded whole."""
+    """A long prompt read 8 tokens a step: the running request takes a denoising step after every chunk,
+    the long prompt's canvas joins it in the iteration after its last chunk, and both answers are those
+    of prompts encoded whole."""
     s = _sampling(max_new_tokens=48, max_denoising_steps=4, fixed_steps=True)
     engine = Engine(model, max_batch=2, max_length=256, prefill_chunk=8)
     log = []
@@ -160,11 +162,29 @@ def test_chunked_prefill_lets_running_requests_step(model):
     long = engine.submit(Request(prompt=BASE + BASE, sampling=s, seed=1))
     engine.run_until_done([running, long])
     chunks = [i for i, e in enumerate(log) if e[0] == "chunk" and e[1] == 1]  # the long prompt's row
-    assert len(chunks) == 10 and all(log[i + 1] == ("step", (0,)) for i in chunks[:-1])
-    assert log[chunks[-1] + 1] == ("step", (0, 1))
+    assert len(chunks) == 10 and all(log[i + 1] == ("step", (0,)) for i in chunks)
+    assert log[chunks[-1] + 2] == ("step", (0, 1))  # its canvas starts after the step beside its last chunk
     whole = Engine(model, max_batch=2, max_length=256, prefill_chunk=1000)
     assert [r.tokens for r in whole.generate([BASE[:5], BASE + BASE], s, seeds=[0, 1])] == [running.tokens,
                                                                                          long.tokens]
+
+
+def test_prefill_pace_sizes_chunks_to_a_step():
+    """The engine's chunk beside running requests: one canvas until a step is timed, then as many tokens
+    as one usual step takes at the last chunk's rate (rounded to 16), growing at most twice over."""
+    pace = PrefillPace(canvas_length=256)
+    assert pace.chunk_tokens == 256
+    pace.observe(256, 5.0)  # no step timed yet: nothing to compare a chunk with
+    assert pace.chunk_tokens == 256
+    pace.observe(0, 1.0)
+    pace.observe(256, 3.0)  # 2 s for 256 tokens: a 1 s step holds 128
+    assert pace.chunk_tokens == 128
+    pace.observe(128, 1.125)  # now 1/1024 s a token: 1,024 would fit, the chunk doubles
+    assert pace.chunk_tokens == 256
+    pace.observe(0, 2.0)  # steps slow down (a running average): 0.7 * 1 + 0.3 * 2
+    assert pace.step_seconds == pytest.approx(1.3)
+    pace.observe(256, 101.3)  # a very slow chunk: never below 16 tokens
+    assert pace.chunk_tokens == 16
 
 
 def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypatch, capsys):

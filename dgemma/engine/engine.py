@@ -7,7 +7,9 @@ Each iteration (`step`):
   1. drop cancelled requests; admit waiting requests into free cache rows; read the next chunk of the
      oldest prompts not yet in their rows (a prompt starts from the prefix cache, prefix_cache.py, and
      encodes the rest `prefill_budget` tokens a step, so running requests keep stepping while a long
-     prompt is read) and start the first canvas of each prompt now all in;
+     prompt is read) and start the first canvas of each prompt now all in (one whose last chunk was
+     read beside running requests starts at the next iteration, so that iteration is not also longer by
+     the new row's step);
   2. one decoder forward over every active row, then each row's own sampler step (its temperature, its
      generator) and stop rule; the host reads the device once per step, for the stop flags, the
      accepted counts and the argmax canvases together (`dgemma.device_sync`; tests/test_syncs.py);
@@ -38,7 +40,7 @@ import torch
 from dgemma.config import SamplingConfig
 from dgemma.engine.request import Event, Request, Status
 from dgemma.engine.runner import Runner
-from dgemma.engine.scheduler import Scheduler
+from dgemma.engine.scheduler import PrefillPace, Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
 from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
@@ -64,6 +66,7 @@ class Engine:
         self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes)
         # prompt tokens encoded per step (None: the engine's choice, `prefill_budget`)
         self.prefill_chunk = prefill_chunk
+        self.pace = PrefillPace(self.canvas_length)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.forwards = 0  # decoder forwards run, for benchmarks
         self.scoring: list[ScoringBatch] = []  # batches of scoring requests in progress, oldest first
@@ -164,28 +167,36 @@ class Engine:
             self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens, self.runner))
         if self.scoring:
             self._score_step()
-        self._prefill_step()
+        start = time.perf_counter()
+        read = self._prefill_step()
         if self.generating:
-            self._denoise_step()
+            self._denoise_step()  # ends in a read of the device: the iteration's time is its work's
+            if not self.scoring:
+                self.pace.observe(read, time.perf_counter() - start)
 
     @property
     def generating(self) -> list[Request]:
-        """Requests denoising: their prompts are in their rows."""
-        return [r for r in self.active if not r.scoring and not r.prefilling]
+        """Requests denoising: their prompts are in their rows and their canvases started."""
+        return [r for r in self.active if not r.scoring and not r.prefilling and r.canvas is not None]
 
     def prefill_budget(self) -> int:
-        """Prompt tokens to encode in this step: one canvas's worth beside running requests, so their
-        steps go on between chunks at about twice their usual interval; more when nothing else runs.
-        Either way a bound on the prefill's activations."""
+        """Prompt tokens to encode in this step: beside running requests, as many as take about one of
+        their steps (`PrefillPace`, measured), so their steps go on between chunks at about twice their
+        usual interval; 8 canvases' worth when nothing else runs. Either way a bound on the prefill's
+        activations."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        return self.canvas_length if self.generating else 8 * self.canvas_length
+        return self.pace.chunk_tokens if self.generating else 8 * self.canvas_length
 
-    def _prefill_step(self):
+    def _prefill_step(self) -> int:
         """The next chunk of the oldest prompts not yet in their rows; a prompt all in starts its canvas.
         A prompt starts from the prefix cache when it reaches the front (after the prompts before it
-        are in, so it finds what they left there)."""
-        budget = self.prefill_budget()
+        are in, so it finds what they left there). Returns the prompt tokens encoded."""
+        budget = start_budget = self.prefill_budget()
+        beside_running = bool(self.generating)
+        for r in self.active:  # prompts read in the last iteration beside running requests start now
+            if not r.scoring and not r.prefilling and r.prefilled is not None and r.canvas is None:
+                self._start_canvas(r)
         for r in [r for r in self.active if r.prefilling]:
             if budget <= 0:
                 break
@@ -201,7 +212,9 @@ class Engine:
             if not r.prefilling:
                 if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
                     r.images = None
-                self._start_canvas(r)
+                if not (beside_running and n):  # else next iteration: this one's time went to the chunk
+                    self._start_canvas(r)
+        return start_budget - budget
 
     def run_until_done(self, requests: list[Request]):
         while not all(r.done for r in requests):
@@ -420,7 +433,7 @@ class Engine:
         if r.prefilled != len(r.prompt) or self.runner.cache.row_lengths[r.row] != len(r.prompt):
             # the row holds committed canvases: start again from the prompt alone (the next steps prefill it)
             self.runner.free([r.row])
-            r.prefilled = None
+            r.prefilled, r.canvas = None, None
         else:
             self._start_canvas(r)
         return True

@@ -1,4 +1,5 @@
-"""Which requests hold cache rows and step together, and the queue in front of them.
+"""Which requests hold cache rows and step together, the queue in front of them, and how much of a long
+prompt is read beside them (`PrefillPace`).
 
 Requests wait in arrival order until a cache row is free; every request holding a row takes part in
 the next decoder forward, whatever its denoising step. A cancelled request leaves at the next loop
@@ -82,3 +83,27 @@ class Scheduler:
         if row is not None:
             self.free_rows.append(row)
         return row
+
+
+class PrefillPace:
+    """How many prompt tokens a chunk read beside running requests takes, from measured times: an engine
+    iteration that only steps gives the usual step time (a running average), one that also reads a chunk
+    of n tokens gives that chunk's seconds per token (its time less a usual step). The next chunk is as
+    long as one usual step at that rate, so a running request waits about two of its steps at most, and
+    the chunks shrink as a long prompt's later tokens (attending to more of it) cost more. Rounded to 16
+    tokens, between 16 and 8 canvases, and growing at most twice over per chunk; one canvas before any
+    measurement."""
+
+    def __init__(self, canvas_length: int):
+        self.largest = 8 * canvas_length
+        self.chunk_tokens = canvas_length
+        self.step_seconds: float | None = None
+
+    def observe(self, tokens_read: int, seconds: float):
+        if tokens_read == 0:
+            previous = self.step_seconds
+            self.step_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
+        elif self.step_seconds is not None:
+            per_token = max(seconds - self.step_seconds, 1e-6) / tokens_read
+            fits = int(self.step_seconds / per_token) // 16 * 16
+            self.chunk_tokens = max(16, min(fits, 2 * self.chunk_tokens, self.largest))
