@@ -207,6 +207,7 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
     from our layout (fp32) and from the int4 kernel's (bf16)."""
     monkeypatch.setattr(int8_compute, "MIN_ROWS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
+    monkeypatch.setattr(int8_compute, "MIN_TABLE_ENTRIES", 1)
     floating = dgemma.load_model(trained_tiny, dtype=dtype, quantize=fmt)
     integer = copy.deepcopy(floating)
     assert int8_compute.enable(integer, "on") and not int8_compute.enable(copy.deepcopy(floating), "off")
@@ -265,6 +266,7 @@ def test_int8_compute_applies_to_quantised_cpu_models_only():
     assert not int8_compute.enable(dgemma.DiffusionGemma(dgemma.get_preset("tiny")), "on")  # float: nothing to do
     assert not int8_compute.enable(model, "off") and model.int8_table is None
     assert int8_compute.enable(model, "auto") == int8_compute.cpu_has_int8_dot()
+    assert model.int8_table is None  # 128 x 64 entries: the table stays in float (MIN_TABLE_ENTRIES)
     with pytest.raises(ValueError):
         int8_compute.resolve("sometimes", model)
     # int8 weights were requantised in place to one scale per channel: the float path reads the same weights
@@ -272,3 +274,18 @@ def test_int8_compute_applies_to_quantised_cpu_models_only():
     if int8_compute.enable(model, "on"):
         assert (linear.scales == linear.scales[:, :1]).all()
         assert torch.equal(linear.int8, linear.scales[:, 0].float())
+
+
+def test_int8_table_soft_embedding_in_slices_of_the_vocabulary(monkeypatch):
+    """The soft embedding's int8 product runs a slice of the vocabulary at a time (no (M, V) temporaries):
+    in five slices it is the one-slice product up to fp32 summation, and both are probs @ table."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(300, 32, generator=g)
+    probs = torch.randn(2, 7, 300, generator=g).mul(3).softmax(-1)
+    int8 = int8_compute.Int8Table(table)
+    whole = int8.soft_embedding(probs, torch.float32)
+    monkeypatch.setattr(int8_compute.Int8Table, "SOFT_SLICE", 64)
+    sliced = int8.soft_embedding(probs, torch.float32)
+    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-7)
+    cos = F.cosine_similarity(sliced.flatten(0, 1), (probs @ table).flatten(0, 1), dim=-1)
+    assert sliced.shape == (2, 7, 32) and cos.min() > 0.999

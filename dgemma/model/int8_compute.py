@@ -41,6 +41,10 @@ MIN_ROWS_TO_WIDEN = 256
 MIN_WEIGHTS_TO_WIDEN = 1 << 20
 # int32 accumulation stays exact while K * 127 * 127 < 2^31: longer products are summed a block at a time
 MAX_EXACT_K = 1 << 17
+# The embedding table gets int8 codes (LM head, soft embedding) from this many entries. Measured (2 cores,
+# bf16 against int8, 1 / 64 / 256 rows): at 8,192 x 256 the soft embedding ran 0.80-0.92x and the head
+# 1.1x at a canvas's rows; at 32,768 x 512 the soft embedding 1.1-2.2x; from 65,536 x 1,024 on both 1.0-3.7x.
+MIN_TABLE_ENTRIES = 1 << 24
 
 
 @functools.cache
@@ -71,10 +75,11 @@ def resolve(mode: str, model: nn.Module) -> bool:
 
 
 def quantize_rows(x: torch.Tensor):
-    """x (M, K) float -> codes (M, K) int8 in -127..127 and scales (M, 1) fp32, x ≈ codes * scale."""
+    """x (M, K) float -> codes (M, K) int8 in -127..127 and scales (M, 1) fp32, x ≈ codes * scale.
+    (The max-norm reads x once without an |x| copy; the codes take one fp32 temporary, rounded in place.)"""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30).div_(127.0)
-    return torch.round(x / scale).to(torch.int8), scale
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30).div_(127.0)
+    return torch.div(x, scale).round_().to(torch.int8), scale
 
 
 def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,7 @@ class Int4Widener:
     """Channel scales and fixed-point group ratios of an int4 weight, so that a call widens its codes to int8
     against one scale per row: q8 = round(q4 * group scale / channel scale), as ((q4 * R + 128) >> 8) in int16
     with R = round(256 * ratio) (ratio <= 127/8, so q4 * R stays within int16). Per weight: (N,) fp32 and
-    (N, G) int16, tiny beside the codes.
+    (N, G) int16, a quarter of the codes' bytes at groups of 32 (made only once a widening runs).
 
     `kernel`: the codes are in the layout of torch's CPU int4 kernel: (N, K/2) bytes in blocks of 64 rows,
     each block stored (K, 32) with byte [k, j] = rows j (low nibble) and j + 32 (high) of column k, codes
@@ -120,15 +125,24 @@ class Int4Widener:
     in the low / high nibble, scales (N, G)."""
 
     def __init__(self, scales: torch.Tensor, kernel: bool):
-        group_scales = (scales[..., 0].transpose(-1, -2) if kernel else scales).float()  # (..., N, G)
-        self.kernel = kernel
-        self.channel_scale = group_scales.abs().amax(dim=-1).clamp_(min=1e-8) * (8 / 127)  # (..., N)
-        ratio = group_scales / self.channel_scale[..., None]
-        self.ratio = torch.round(ratio * 256).to(torch.int16)  # (..., N, G)
-        if kernel:  # laid out as the widened codes are, (G, 1, N)
-            self.ratio = self.ratio.transpose(-1, -2).unsqueeze(-2).contiguous()
-        else:
-            self.ratio = self.ratio.unsqueeze(-1).contiguous()  # (..., N, G, 1)
+        self.scales, self.kernel = scales, kernel  # the module's own tensor, not a copy
+        self.channel_scale = self._group_scales().abs().amax(dim=-1).clamp_(min=1e-8) * (8 / 127)  # (..., N)
+        self._ratio = None
+
+    def _group_scales(self) -> torch.Tensor:
+        return (self.scales[..., 0].transpose(-1, -2) if self.kernel else self.scales).float()  # (..., N, G)
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """The group ratios, made at the first widening: the 26B's experts, whose ~16 rows a canvas never
+        repay a widening, would otherwise hold 1.4 GB of them for nothing."""
+        if self._ratio is None:
+            ratio = torch.round(self._group_scales() / self.channel_scale[..., None] * 256).to(torch.int16)
+            if self.kernel:  # laid out as the widened codes are, (..., G, 1, N)
+                self._ratio = ratio.transpose(-1, -2).unsqueeze(-2).contiguous()
+            else:
+                self._ratio = ratio.unsqueeze(-1).contiguous()  # (..., N, G, 1)
+        return self._ratio
 
     def widen(self, packed: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """Codes (N, K/2) (of expert `index` when the weights are stacked) -> int8 codes as a (K, N) matrix
@@ -158,6 +172,8 @@ class Int4Widener:
 class Int8Table:
     """The tied (V, H) table as int8 codes with one scale per token row, beside the table itself."""
 
+    SOFT_SLICE = 1 << 14  # vocabulary entries per slice of the soft embedding (int32 sums stay exact)
+
     def __init__(self, table: torch.Tensor, chunk_rows: int = 8192):
         V, H = table.shape
         self.codes = torch.empty(V, H, dtype=torch.int8)
@@ -165,7 +181,6 @@ class Int8Table:
         for a in range(0, V, chunk_rows):
             self.codes[a : a + chunk_rows], s = quantize_rows(table[a : a + chunk_rows])
             self.scale[a : a + chunk_rows] = s[:, 0]
-        self.ones = torch.ones(H)  # the soft embedding's channel scales: its scales sit on the probabilities
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (M, H) -> (M, V) fp32 = hidden @ table.T"""
@@ -173,9 +188,21 @@ class Int8Table:
 
     def soft_embedding(self, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """probs (..., V) -> (..., H) in `dtype` = probs @ table: the row scales move onto the probabilities
-        (the product runs along V), which are then quantised per row."""
-        weighted = probs.float() * self.scale
-        return int8_matmul(weighted, self.codes, self.ones).to(dtype)
+        (the product runs along V), which are then quantised per row. A slice of V at a time, so that the
+        weighted probabilities, their codes and the int32 sums are a slice's, not (M, V) buffers beside the
+        logits: first each row's largest weighted probability, then the codes and products slice by slice."""
+        V, H = self.codes.shape
+        flat = probs.reshape(-1, V).float()
+        slices = [(a, min(a + self.SOFT_SLICE, V)) for a in range(0, V, self.SOFT_SLICE)]
+        row_max = torch.zeros(flat.shape[0], 1)
+        for a, b in slices:
+            torch.maximum(row_max, (flat[:, a:b] * self.scale[a:b]).abs_().amax(-1, keepdim=True), out=row_max)
+        row_scale = row_max.clamp_(min=1e-30).div_(127.0)  # (M, 1), as quantize_rows makes it
+        out = torch.zeros(flat.shape[0], H)
+        for a, b in slices:
+            codes = (flat[:, a:b] * self.scale[a:b]).div_(row_scale).round_().to(torch.int8)
+            out += torch._int_mm(codes, self.codes[a:b])
+        return out.mul_(row_scale).to(dtype).view(*probs.shape[:-1], H)
 
 
 # -- switching a model over -------------------------------------------------------------------------------
@@ -185,7 +212,7 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load."""
     if not resolve(mode, model):
         return False
-    if getattr(model, "int8_table", None) is not None:
+    if getattr(model, "integer_compute_on", False):
         return True
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):
@@ -193,7 +220,9 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
         elif hasattr(module, "int8"):
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
-    model.int8_table = Int8Table(model.embed_tokens.weight)
+    table = model.embed_tokens.weight
+    model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
+    model.integer_compute_on = True
     return True
 
 
@@ -222,8 +251,11 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return int8_matmul(x, module.int8.widen(module.qweight), module.int8.channel())
 
 
-def experts(module: nn.Module, grouped_x: torch.Tensor, counts: list[int], activation, one_expert) -> torch.Tensor:
-    """A QuantExperts on its entries grouped by expert (rows sorted by expert, counts[e] rows each) -> (N*k, H).
+def experts(module: nn.Module, grouped_x: torch.Tensor, counts: list[int], activation,
+            one_expert) -> torch.Tensor | None:
+    """A QuantExperts on its entries grouped by expert (rows sorted by expert, counts[e] rows each) -> (N*k, H),
+    or None where no expert runs in int8 (int4 weights, none with rows enough to repay widening: the
+    module's own path then runs, without the quantisations below).
 
     The entries are quantised once for all experts, each expert's gate|up product is written into one int32
     buffer, and the activation and the second quantisation run once over all of them: per expert only the two
@@ -231,6 +263,8 @@ def experts(module: nn.Module, grouped_x: torch.Tensor, counts: list[int], activ
     `one_expert(e, rows)` (the int4 kernel, or dequantised weights) instead (`widening_pays`)."""
     gate_up, down = module.int8["gate_up_proj"], module.int8["down_proj"]
     channel_codes = isinstance(gate_up, torch.Tensor)
+    if not channel_codes and not any(widening_pays(n, module.gate_up_proj_q[0].numel() * 2) for n in counts):
+        return None
     codes, scale = quantize_rows(grouped_x)  # (R, H) int8, (R, 1)
     two_i = module.gate_up_proj_q.shape[1]
     acc = torch.zeros(grouped_x.shape[0], two_i, dtype=torch.int32)

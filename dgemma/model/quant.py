@@ -210,7 +210,9 @@ class QuantExperts(Experts):
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
         if self.int8 is not None:
-            return int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
+            out = int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
+            if out is not None:
+                return out
         if not self._kernel_runs(grouped_x):
             return super()._per_expert(grouped_x, counts)
         sorted_out = torch.empty_like(grouped_x)
