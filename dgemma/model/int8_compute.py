@@ -33,11 +33,11 @@ from torch import nn
 MODES = ("auto", "on", "off")
 
 # When an int4 weight is widened to int8 for one product: at least this many rows, and a weight of at least
-# this many elements. Calibrated with `python benchmarks/int8_compute.py threshold` (2 shared cores):
-# widening costs ~0.5-1 ns a weight in torch's elementwise ops, so it overtook torch's int4 kernel only at a
-# canvas's 256 rows on the 26B's weights (128 rows: 0.93x at 2816 x 704), and never on bench-20m's small
-# ones (256 x 256 at 256 rows: 0.59x); below that the int4 kernel runs.
-MIN_ROWS_TO_WIDEN = 256
+# this many elements. Calibrated with `python benchmarks/int8_compute.py threshold` (2 cores, quiet):
+# widening costs ~0.2-0.5 ns a weight in torch's elementwise ops, so on the 26B's expert shapes it overtook
+# torch's int4 kernel from 128 rows (1.17x and 1.33x; 64 rows: 0.85x and 1.00x; 16 rows, an expert's share of
+# a canvas: 0.33x), and never on bench-20m's small ones (256 x 256 at 256 rows: 0.43x).
+MIN_ROWS_TO_WIDEN = 128
 MIN_WEIGHTS_TO_WIDEN = 1 << 20
 # int32 accumulation stays exact while K * 127 * 127 < 2^31: longer products are summed a block at a time
 MAX_EXACT_K = 1 << 17
@@ -116,8 +116,8 @@ def to_channel_scales(q: torch.Tensor, scales: torch.Tensor, chunk_rows: int = 1
 class Int4Widener:
     """Channel scales and fixed-point group ratios of an int4 weight, so that a call widens its codes to int8
     against one scale per row: q8 = round(q4 * group scale / channel scale), as ((q4 * R + 128) >> 8) in int16
-    with R = round(256 * ratio) (ratio <= 127/8, so q4 * R stays within int16). Per weight: (N,) fp32 and
-    (N, G) int16, a quarter of the codes' bytes at groups of 32 (made only once a widening runs).
+    with R = round(256 * ratio) (ratio <= 127/8, so q4 * R stays within int16). Kept per weight: the (N,) fp32
+    channel scales; the (N, G) int16 ratios are made per widening.
 
     `kernel`: the codes are in the layout of torch's CPU int4 kernel: (N, K/2) bytes in blocks of 64 rows,
     each block stored (K, 32) with byte [k, j] = rows j (low nibble) and j + 32 (high) of column k, codes
@@ -127,28 +127,25 @@ class Int4Widener:
     def __init__(self, scales: torch.Tensor, kernel: bool):
         self.scales, self.kernel = scales, kernel  # the module's own tensor, not a copy
         self.channel_scale = self._group_scales().abs().amax(dim=-1).clamp_(min=1e-8) * (8 / 127)  # (..., N)
-        self._ratio = None
 
-    def _group_scales(self) -> torch.Tensor:
-        return (self.scales[..., 0].transpose(-1, -2) if self.kernel else self.scales).float()  # (..., N, G)
+    def _group_scales(self, index: int | None = None) -> torch.Tensor:
+        scales = self.scales if index is None else self.scales[index]
+        return (scales[..., 0].transpose(-1, -2) if self.kernel else scales).float()  # (..., N, G)
 
-    @property
-    def ratio(self) -> torch.Tensor:
-        """The group ratios, made at the first widening: the 26B's experts, whose ~16 rows a canvas never
-        repay a widening, would otherwise hold 1.4 GB of them for nothing."""
-        if self._ratio is None:
-            ratio = torch.round(self._group_scales() / self.channel_scale[..., None] * 256).to(torch.int16)
-            if self.kernel:  # laid out as the widened codes are, (..., G, 1, N)
-                self._ratio = ratio.transpose(-1, -2).unsqueeze(-2).contiguous()
-            else:
-                self._ratio = ratio.unsqueeze(-1).contiguous()  # (..., N, G, 1)
-        return self._ratio
+    def ratio(self, index: int | None = None) -> torch.Tensor:
+        """The group ratios of the weight (of expert `index`), made per widening: N x G values against the
+        widening's N x K, where keeping them would hold a quarter of the codes' bytes (1.4 GB for the 26B's
+        experts) for products that rarely widen."""
+        channel = self.channel(index)
+        ratio = torch.round(self._group_scales(index) / channel[..., None] * 256).to(torch.int16)  # (N, G)
+        # laid out as the widened codes are: (G, 1, N) for the kernel's layout, (N, G, 1) for ours
+        return ratio.t().unsqueeze(-2).contiguous() if self.kernel else ratio.unsqueeze(-1)
 
     def widen(self, packed: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """Codes (N, K/2) (of expert `index` when the weights are stacked) -> int8 codes as a (K, N) matrix
         against `channel_scale` (a contiguous (K, N) tensor for the kernel layout, a (N, K) one transposed
         for ours)."""
-        ratio = self.ratio if index is None else self.ratio[index]
+        ratio = self.ratio(index)
         N, half = packed.shape
         K = half * 2
         if self.kernel:
