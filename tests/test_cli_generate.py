@@ -165,3 +165,26 @@ def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_mod
     dimmed = re.compile("\x1b\\[2m(.*?)\x1b\\[0m", re.S)  # SGR 2: faint
     assert "".join(dimmed.findall(shown)) == "The user is nice."
     assert dimmed.sub("", shown) == "\nHello Ada"  # the reply, plain, on a line of its own
+
+
+def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
+    """No --dtype on a CPU: bf16 for models 256 or more wide where the CPU multiplies bf16 natively, fp32
+    for narrower ones (the tiny model, 64 wide) and for folders that cannot be read here."""
+    import argparse
+
+    import torch
+
+    import dgemma as lib
+    from dgemma.commands._common import resolve_device_dtype
+
+    wide = tmp_path / "wide"
+    lib.save_pretrained(lib.DiffusionGemma(lib.get_preset("tiny").replace(hidden_size=256)), wide)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+    def dtype(model, given=None):
+        return resolve_device_dtype(argparse.Namespace(device="cpu", dtype=given, model=str(model)))[1]
+
+    assert dtype(wide) == (torch.bfloat16 if native else torch.float32)
+    assert dtype(tiny_model_dir) == torch.float32
+    assert dtype(tmp_path / "missing") == torch.float32
+    assert dtype(wide, "fp32") == torch.float32 and dtype(tiny_model_dir, "bf16") == torch.bfloat16
