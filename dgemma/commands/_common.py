@@ -252,8 +252,9 @@ def add_prefix_cache_arguments(p):
                         "starts like an earlier one (a chat's next turn, a shared system prompt) encodes only "
                         "the rest (default: a quarter of the free memory, at most 16; 0 turns it off)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
-                   help="prompt tokens encoded per engine step (default: one canvas while other requests "
-                        "are denoising, so they keep stepping; 8 canvases when none is)")
+                   help="prompt tokens encoded per engine step (default: while other requests are denoising, "
+                        "as many as take about one of their steps, measured, so they keep stepping; 8 canvases "
+                        "when none is)")
 
 
 def free_memory_bytes(device) -> int:
