@@ -170,6 +170,7 @@ class Int8Table:
     """The tied (V, H) table as int8 codes with one scale per token row, beside the table itself."""
 
     SOFT_SLICE = 1 << 14  # vocabulary entries per slice of the soft embedding (int32 sums stay exact)
+    HEAD_SLICE = 1 << 15  # table rows per slice of the LM head
 
     def __init__(self, table: torch.Tensor, chunk_rows: int = 8192):
         V, H = table.shape
@@ -179,9 +180,17 @@ class Int8Table:
             self.codes[a : a + chunk_rows], s = quantize_rows(table[a : a + chunk_rows])
             self.scale[a : a + chunk_rows] = s[:, 0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (M, H) -> (M, V) fp32 = hidden @ table.T"""
-        return int8_matmul(hidden.float(), self.codes.t(), self.scale)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., H) -> (..., V) fp32 = hidden @ table.T, written into `out` ((M, V) fp32) when given.
+        A slice of the table at a time, all positions together: the table is read once, and the int32 sums
+        are (M, HEAD_SLICE), not (M, V) beside the logits."""
+        V, H = self.codes.shape
+        codes, scale = quantize_rows(hidden.reshape(-1, H))
+        out = torch.empty(codes.shape[0], V) if out is None else out
+        for a in range(0, V, self.HEAD_SLICE):
+            b = min(a + self.HEAD_SLICE, V)
+            torch.mul(torch._int_mm(codes, self.codes[a:b].t()), scale, out=out[:, a:b]).mul_(self.scale[a:b])
+        return out.view(*hidden.shape[:-1], V)
 
     def soft_embedding(self, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """probs (..., V) -> (..., H) in `dtype` = probs @ table: the row scales move onto the probabilities

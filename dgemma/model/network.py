@@ -316,7 +316,8 @@ class DiffusionGemma(nn.Module):
         over (B, L, V) logits that is a visible share of a denoising step. (Out of place when autograd
         needs the intermediate values.) Eagerly and without autograd, the projection is written into
         the fp32 buffer a chunk of positions at a time, so that its model-dtype output is a chunk, not
-        half a (B, L, V) fp32 buffer more beside the logits; a compiled graph plans that memory itself.
+        half a (B, L, V) fp32 buffer more beside the logits (with int8 codes of the table: a slice of the
+        table at a time instead, each read once); a compiled graph plans that memory itself.
         """
         normed = self.norm(hidden)
         weight, cap = self.embed_tokens.weight, self.config.final_logit_softcapping
@@ -329,10 +330,12 @@ class DiffusionGemma(nn.Module):
         else:
             flat = normed.reshape(-1, normed.shape[-1])
             logits = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=flat.device)
-            rows = device_vocab_chunk_rows(flat.shape[0], weight.shape[0], flat.device, flat.element_size())
-            for a in range(0, flat.shape[0], rows):
-                block = flat[a : a + rows]
-                logits[a : a + rows] = table.logits(block) if table is not None else F.linear(block, weight)
+            if table is not None:  # int8 codes: a slice of the table at a time, every position together
+                table.logits(flat, out=logits)
+            else:
+                rows = device_vocab_chunk_rows(flat.shape[0], weight.shape[0], flat.device, flat.element_size())
+                for a in range(0, flat.shape[0], rows):
+                    logits[a : a + rows] = F.linear(flat[a : a + rows], weight)
             logits = logits.view(*normed.shape[:-1], weight.shape[0])
         return logits.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
 
