@@ -170,9 +170,8 @@ class Engine:
         start = time.perf_counter()
         read = self._prefill_step()
         if self.generating:
-            self._denoise_step()  # ends in a read of the device: the iteration's time is its work's
-            if not self.scoring:
-                self.pace.observe(read, time.perf_counter() - start)
+            self._denoise_step()  # ends in a read of the device: the time since `start` is the work's
+            self.pace.observe(read, time.perf_counter() - start)
 
     @property
     def generating(self) -> list[Request]:

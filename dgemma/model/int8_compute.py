@@ -189,7 +189,7 @@ class Int8Table:
         out = torch.empty(codes.shape[0], V) if out is None else out
         for a in range(0, V, self.HEAD_SLICE):
             b = min(a + self.HEAD_SLICE, V)
-            torch.mul(torch._int_mm(codes, self.codes[a:b].t()), scale, out=out[:, a:b]).mul_(self.scale[a:b])
+            out[:, a:b] = torch._int_mm(codes, self.codes[a:b].t()).float().mul_(scale).mul_(self.scale[a:b])
         return out.view(*hidden.shape[:-1], V)
 
     def soft_embedding(self, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -202,7 +202,7 @@ class Int8Table:
         slices = [(a, min(a + self.SOFT_SLICE, V)) for a in range(0, V, self.SOFT_SLICE)]
         row_max = torch.zeros(flat.shape[0], 1)
         for a, b in slices:
-            torch.maximum(row_max, (flat[:, a:b] * self.scale[a:b]).abs_().amax(-1, keepdim=True), out=row_max)
+            row_max = torch.maximum(row_max, (flat[:, a:b] * self.scale[a:b]).abs_().amax(-1, keepdim=True))
         row_scale = row_max.clamp_(min=1e-30).div_(127.0)  # (M, 1), as quantize_rows makes it
         out = torch.zeros(flat.shape[0], H)
         for a, b in slices:
