@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import make_hf_model
+from dgemma.config import SamplingConfig
 
 # 4 query heads, 2 KV heads (sliding), 1 global KV head (full layers: replicated), 8 experts top-2; widths
 # such that o_proj's and down_proj's row splits fall on int8 group bounds (64)
@@ -130,6 +131,72 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
             assert split[quantize][name].shape == logits.shape
             err = (split[quantize][name] - logits).abs().max().item()
             assert err < 1e-5, f"{quantize} {name}: {err}"
+
+
+def staggered_turns(engine, submit, step):
+    """A request starts; two steps later a 120-token prompt arrives, read in chunks beside it; then a follow-up
+    of that prompt and its answer (the prefix cache gives it the first blocks). Returns the tokens and the
+    follow-up's cached tokens."""
+    from dgemma.engine import Request
+
+    sampling = SamplingConfig(max_new_tokens=2 * engine.canvas_length, max_denoising_steps=6, fixed_steps=True,
+                              eos_token_ids=(10**6,))
+    g = torch.Generator().manual_seed(4)
+    running = submit(Request(prompt=[5, 6, 7, 8], sampling=sampling, seed=1))
+    for _ in range(2):
+        step()
+    long = submit(Request(prompt=torch.randint(3, 120, (120,), generator=g).tolist(), sampling=sampling, seed=2))
+    while not (running.done and long.done):
+        step()
+    follow_up = submit(Request(prompt=long.prompt + long.tokens + [9, 10, 11], sampling=sampling, seed=3,
+                               cache_answer=True))
+    while not follow_up.done:
+        step()
+    return [running.tokens, long.tokens, follow_up.tokens], follow_up.cached_tokens
+
+
+def _pace_at(engine, chunk_tokens: int):
+    """The engine's measured chunk beside running requests, held at `chunk_tokens` (as if its clock said so)."""
+    engine.pace.chunk_tokens = chunk_tokens
+    engine.pace.observe = lambda tokens_read, seconds: None
+
+
+def _lockstep_with_cache(rank, folder, out):
+    from dgemma.engine.lockstep import LockstepEngine
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    model = load_split_model(folder, join("cpu", 30))
+    engine = LockstepEngine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    _pace_at(engine, 32 if rank == 0 else 16)  # the ranks' clocks disagree: the leader's chunk is read
+    if rank != 0:
+        engine.follow()
+        return
+    results = staggered_turns(engine, engine.submit, engine.step)
+    engine.close()
+    engine.step()
+    torch.save(results, out)
+
+
+def test_lockstep_ranks_read_the_leaders_chunks_and_share_the_prefix_cache(split_checkpoint, tmp_path):
+    """A split model served in lockstep, with the prefix cache on: a long prompt read in chunks beside a
+    running request, the leader's chunk size on every rank though their own measurements differ, then a
+    follow-up turn that takes its prompt's blocks from the cache. The tokens are one process's."""
+    from dgemma.engine import Engine
+    from dgemma.model import load_model
+
+    out = tmp_path / "lockstep.pt"
+    spawn_ranks(_lockstep_with_cache, 2, split_checkpoint, out)
+    tokens, cached = torch.load(out)
+    engine = Engine(load_model(split_checkpoint), max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    _pace_at(engine, 32)
+    chunks = []
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda row, ids, images=None: (chunks.append(len(ids)), prefill(row, ids, images))[1]
+    expected, expected_cached = staggered_turns(engine, engine.submit, engine.step)
+    assert chunks[:5] == [4, 32, 32, 32, 24]  # the long prompt in the leader's chunks, beside the running one
+    assert cached == expected_cached > 120
+    assert tokens == expected
 
 
 def _rank_pid(launcher_pid: int, rank: int) -> int:

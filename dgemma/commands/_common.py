@@ -250,7 +250,8 @@ def add_prefix_cache_arguments(p):
     p.add_argument("--prefix-cache-gib", type=non_negative_float, default=None, metavar="GIB",
                    help="memory for the prefix cache, which keeps encoded prompts and answers so a prompt that "
                         "starts like an earlier one (a chat's next turn, a shared system prompt) encodes only "
-                        "the rest (default: a quarter of the free memory, at most 16; 0 turns it off)")
+                        "the rest (default: a quarter of the free memory, at most 16, the smallest over the ranks "
+                        "of a split model; 0 turns it off)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
                    help="prompt tokens encoded per engine step (default: while other requests are denoising, "
                         "as many as take about one of their steps, measured, so they keep stepping; 8 canvases "
@@ -280,10 +281,17 @@ def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
     """The prefix cache's budget from --prefix-cache-gib, or the default, said on stderr when `say`."""
     if args.prefix_cache_gib is not None:
         return int(args.prefix_cache_gib * 2**30)
-    if getattr(args, "tp", None) is not None:  # split ranks must hold the same blocks: only a budget given alike
-        return 0
     budget = min(free_memory_bytes(model.device) // 4, 16 << 30)
+    tp = getattr(args, "tp", None)
+    if tp is not None:  # the ranks of a split model hold the same blocks: every rank takes the smallest budget
+        import torch
+        import torch.distributed as dist
+
+        smallest = torch.tensor([budget], dtype=torch.int64, device=model.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp.group)
+        budget = int(smallest.item())
     if say:
-        print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB (a quarter of the free memory; "
+        memory = "a quarter of the free memory" + (", the smallest over the ranks" if tp is not None else "")
+        print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB ({memory}; "
               f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
     return budget

@@ -6,7 +6,10 @@ until its next step, which hands them to every rank at once (`broadcast_object_l
 without their callbacks, the cancelled ids); then each rank runs the engine's own step. What happens in a
 step after that is decided alike on every rank without further messages: admissions follow the queue
 order and the free rows, each request draws its canvas noise from its own seeded generator, and the
-logits (all-gathered) are the same bits on every rank, so samples, stops and commits agree.
+logits (all-gathered) are the same bits on every rank, so samples, stops and commits agree. The one
+decision taken from a clock, how many prompt tokens a step reads beside running requests (the
+`PrefillPace`, measured on each rank's own clock), travels in the message too: every rank reads the
+leader's chunk.
 
 When the leader has nothing to do its step is a heartbeat (an "idle" message every `heartbeat_s`), so
 the followers' waits stay inside the collective timeout and a dead rank is noticed within it. A failed
@@ -78,9 +81,10 @@ class LockstepEngine(Engine):
             if self.leader:
                 self.wakeup.wait(self.heartbeat_s)
             return True
-        _, requests, cancelled = message
+        _, requests, cancelled, chunk_tokens = message
         if self.leader:
             requests = self._handed_out
+        self.pace.chunk_tokens = chunk_tokens  # the leader's measured chunk (its own value on the leader)
         for r in requests:
             self.scheduler.add(r, bounded=False)
         if cancelled:
@@ -107,7 +111,7 @@ class LockstepEngine(Engine):
         self._handed_out = requests
         if not requests and not cancelled and not super().has_work():
             return ("idle",)
-        return ("step", [_portable(r) for r in requests], set(cancelled))
+        return ("step", [_portable(r) for r in requests], set(cancelled), self.pace.chunk_tokens)
 
     def _broadcast(self, message):
         box = [message]
