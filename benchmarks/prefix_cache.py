@@ -33,6 +33,7 @@ from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Request
 
 BUDGET = 2 << 30
+ENGINE_ARGS: dict = {}  # --deterministic
 
 
 def model_512(seed: int = 0):
@@ -66,7 +67,7 @@ def follow_up(model, sampling, history: int) -> dict:
     prompt and answer, then the new message) is then timed there and on an engine without a cache."""
     V = model.config.vocab_size
     out = {}
-    engine = Engine(model, max_batch=1, max_length=history + 1024, prefix_cache_bytes=BUDGET)
+    engine = Engine(model, max_batch=1, max_length=history + 1024, prefix_cache_bytes=BUDGET, **ENGINE_ARGS)
     turn1 = Request(prompt=tokens(history, 1, V), sampling=sampling, seed=0, cache_answer=True)
     start = time.perf_counter()
     engine.submit(turn1)
@@ -76,7 +77,7 @@ def follow_up(model, sampling, history: int) -> dict:
     for name in ("cache", "none"):
         if name == "none":  # its KV cache and blocks go before the next engine's (the 26B leaves little room)
             del engine
-            engine = Engine(model, max_batch=1, max_length=history + 1024)
+            engine = Engine(model, max_batch=1, max_length=history + 1024, **ENGINE_ARGS)
         turn2 = Request(prompt=follow, sampling=sampling, seed=1)
         out[name] = {**timed(engine, turn2), "tokens": turn2.tokens, "cached": turn2.cached_tokens,
                      "prompt": len(turn2.prompt)}
@@ -89,7 +90,7 @@ def shared(model, sampling, system: int, n: int = 16) -> dict:
     prompts = [head + tokens(20, 100 + i, V) for i in range(n)]
     out = {}
     for name, budget in (("cache", BUDGET), ("none", 0)):
-        engine = Engine(model, max_batch=n, max_length=system + 512, prefix_cache_bytes=budget)
+        engine = Engine(model, max_batch=n, max_length=system + 512, prefix_cache_bytes=budget, **ENGINE_ARGS)
         start = time.perf_counter()
         requests = engine.generate(prompts, sampling, seeds=list(range(n)))
         elapsed = time.perf_counter() - start
@@ -102,7 +103,7 @@ def long_prompt(model, sampling, length: int) -> dict:
     V = model.config.vocab_size
     out = {}
     for name, chunk in (("chunked", None), ("whole", 10**6)):
-        engine = Engine(model, max_batch=2, max_length=length + 256 * 40, prefill_chunk=chunk)
+        engine = Engine(model, max_batch=2, max_length=length + 256 * 40, prefill_chunk=chunk, **ENGINE_ARGS)
         steps: list[float] = []  # when each step of the running request ended
 
         def on_event(event, steps=steps):
@@ -173,12 +174,16 @@ def main():
     p.add_argument("--system", type=int, default=1000)
     p.add_argument("--shared-steps", default="2,4,16", help="comma-separated steps per canvas for the shared case")
     p.add_argument("--long", type=int, default=8000)
+    p.add_argument("--deterministic", action="store_true",
+                   help="engines in deterministic mode (aligned encoder spans): the same tokens by construction")
     args = p.parse_args()
+    ENGINE_ARGS["deterministic"] = args.deterministic
     cases = args.cases.split(",")
     model = build_model(args.model)
     sampling = SamplingConfig(max_new_tokens=256, max_denoising_steps=args.steps, fixed_steps=True,
                               eos_token_ids=(model.config.vocab_size,), pad_token_id=0)
-    result = {"model": args.model, "steps": args.steps, "threads": torch.get_num_threads()}
+    result = {"model": args.model, "steps": args.steps, "threads": torch.get_num_threads(),
+              "deterministic": args.deterministic}
     print(f"{'case':<44}{'cache / chunked':>16}{'none / whole':>14}{'ratio':>8}")
     with torch.no_grad():
         if "follow-up" in cases:

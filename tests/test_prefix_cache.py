@@ -106,6 +106,67 @@ def test_memory_stays_within_the_budget(model):
     assert not engine.runner.trails
 
 
+def test_rewinding_a_row_restores_its_ring_and_length(model):
+    """The cache undoes a partial span: after `save_overwritten`, an encode and `rewind`, the row's ring
+    slots (wrapped: 10 tokens in 7 slots, then 5 more), positions and length are as before, bit for bit."""
+    cache = model.new_cache(2, 64)
+    with torch.no_grad():
+        model.encode(torch.tensor([BASE[:10]] * 2), cache)
+        before = [t.clone() for t in cache.keys + cache.values if t is not None]
+        positions = {s: p.clone() for s, p in cache.slot_pos.items()}
+        saved = cache.save_overwritten(1, 5)
+        model.encode(torch.tensor([BASE[10:15]]), cache, rows=[1])
+        assert cache.row_lengths == [10, 15]
+        cache.rewind(1, saved)
+    assert cache.row_lengths == [10, 10]
+    assert all(torch.equal(cache.slot_pos[s], positions[s]) for s in positions)
+    after = [t for t in cache.keys + cache.values if t is not None]
+    for i, (a, b) in enumerate(zip(before, after)):
+        sliding = b.shape[2] == cache.canvas_slots + cache.capacity[True]
+        if sliding:  # full layers keep what the encode wrote past the length, invisible (position -1)
+            assert torch.equal(a, b), i
+
+
+def test_deterministic_mode_gives_the_same_floats_whatever_was_cached():
+    """Deterministic mode (aligned spans): a follow-up turn after a first turn whose answer went into the
+    prefix cache, on a fresh engine, and after the cache lost its last block, sees the same entropies at
+    every draft (as floats, bit for bit) and gives the same tokens. Spans are a canvas (32 tokens here),
+    blocks 16: the cache gives whole spans only, and the first turn's partial last span is read again.
+    (Without the mode, on this CPU, the cached run's entropies differ from the fresh run's in the 7th
+    digit.)"""
+    torch.manual_seed(1)
+    model = perturb_every_tensor(dgemma.DiffusionGemma(dgemma.get_preset("tiny").replace(canvas_length=32)).eval())
+    s = _sampling(max_new_tokens=64)
+
+    def engine(cache_bytes=0):
+        return Engine(model, max_batch=1, max_length=256, prefix_cache_bytes=cache_bytes, deterministic=True)
+
+    def first_turn(engine):
+        turn1 = Request(prompt=BASE, sampling=s, seed=0, cache_answer=True)
+        engine.submit(turn1)
+        engine.run_until_done([turn1])
+        return turn1.tokens
+
+    def drafts(engine):
+        seen = []
+        r = Request(prompt=follow, sampling=s, seed=1, want_drafts=True,
+                    on_event=lambda e: seen.append(e.entropy) if e.kind == "draft" else None)
+        engine.submit(r)
+        engine.run_until_done([r])
+        return r, seen
+
+    cached, evicting = engine(1 << 24), engine(1 << 24)
+    follow = BASE + first_turn(cached) + [5, 9, 11]  # 40 + 64 + 3 tokens: spans end at 32, 64 and 96
+    assert first_turn(evicting) == follow[40:-3]
+    evicting.prefix_cache.blocks.popitem(last=True)  # the chain's last block: 80 tokens left, 64 in whole spans
+    runs = {"cached": drafts(cached), "fresh": drafts(engine()), "evicted": drafts(evicting)}
+    assert [runs[k][0].cached_tokens for k in runs] == [96, 0, 64]
+    reference_tokens, reference_drafts = runs["fresh"][0].tokens, runs["fresh"][1]
+    assert len(reference_drafts) == 2 * s.max_denoising_steps
+    for name, (r, seen) in runs.items():
+        assert r.tokens == reference_tokens and seen == reference_drafts, name
+
+
 def _rss_run(budget: int) -> dict:
     child = Path(__file__).with_name("prefix_cache_rss_check.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
@@ -187,9 +248,11 @@ def test_prefill_pace_sizes_chunks_to_a_step():
     assert pace.chunk_tokens == 16
 
 
-def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypatch, capsys, deterministic):
     """`dgemma chat`'s second and third turns start from the previous prompt and answer: the prefix cache
-    gives all of it but the last partial block, and the prompt holds the answer as the model wrote it."""
+    gives all of it but the last partial block (a span is a block here: the canvas is 16 tokens), and the
+    prompt holds the answer as the model wrote it; with --deterministic as without."""
     import io
     import json
     import shutil
@@ -206,12 +269,14 @@ def test_chat_turns_encode_only_what_they_add(tiny_model_dir, tmp_path, monkeypa
 
     seen = []
     submit = engine_module.Engine.submit
-    monkeypatch.setattr(engine_module.Engine, "submit", lambda self, r: (seen.append(r), submit(self, r))[1])
+    modes = set()
+    monkeypatch.setattr(engine_module.Engine, "submit",
+                        lambda self, r: (seen.append(r), modes.add(self.deterministic), submit(self, r))[2])
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nhow are you\nthe day\n"))
     assert main(["chat", "--model", str(folder), "--max-new-tokens", "16", "--steps", "2", "--seed", "0",
-                 "--prefix-cache-gib", "0.01"]) == 0
+                 "--prefix-cache-gib", "0.01", *(["--deterministic"] if deterministic else [])]) == 0
     capsys.readouterr()
-    assert len(seen) == 3
+    assert len(seen) == 3 and modes == {deterministic}
     for before, after in itertools.pairwise(seen):
         kept = before.prompt + before.tokens
         assert after.prompt[: len(kept)] == kept

@@ -256,6 +256,11 @@ def add_prefix_cache_arguments(p):
                    help="prompt tokens encoded per engine step (default: while other requests are denoising, "
                         "as many as take about one of their steps, measured, so they keep stepping; 8 canvases "
                         "when none is)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a request's tokens depend on its prompt and seed alone, not on what the prefix cache "
+                        "held or how the prompt was chunked: every encoder call reads one aligned canvas-long "
+                        "span of a request (a span read in part is read again when its request grows), at "
+                        "some cost in prefill speed")
 
 
 def free_memory_bytes(device) -> int:

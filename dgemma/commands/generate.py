@@ -167,7 +167,7 @@ def run(args):
         raise UsageError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceed the "
                          f"model's context of {context}")
     engine = Engine(model, max_batch=1, max_length=need, prefix_cache_bytes=prefix_cache_bytes(args, model, "generate"),
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, deterministic=args.deterministic)
     stream = TextStream(tokenizer) if not args.json else None
     console = rich.console.Console(stderr=True)
     view = DraftView(tokenizer, console) if args.show_drafts and not args.json else None

@@ -314,7 +314,8 @@ def build_state(args, on_fatal=None):
     images = _image_reader(args, folder, model) if task == "text" else None
     set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
     engine_args = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length,
-                       prefix_cache_bytes=prefix_cache_bytes(args, model, "serve"), prefill_chunk=args.prefill_chunk)
+                       prefix_cache_bytes=prefix_cache_bytes(args, model, "serve"), prefill_chunk=args.prefill_chunk,
+                       deterministic=args.deterministic)
     engine_class = Engine
     if getattr(args, "tp", None) is not None:
         from dgemma.engine.lockstep import LockstepEngine

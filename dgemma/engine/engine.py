@@ -58,12 +58,16 @@ def _prompt_seed(seeds: list[int] | None, sampling: SamplingConfig, i: int) -> i
 class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64,
                  score_chunk_tokens: int = SCORE_CHUNK_TOKENS, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, deterministic: bool = False):
         self.model = model
         self.canvas_length = model.config.canvas_length
         self.vocab_size = model.config.vocab_size
         max_length = max_length or min(model.config.max_position_embeddings, 8192)
-        self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes)
+        # deterministic: every encoder call one row's aligned canvas-long span (runner.py), so a request's
+        # tokens depend on its prompt and seed alone, not on what was cached or how its prompt was chunked
+        self.deterministic = deterministic
+        self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes,
+                             span_tokens=self.canvas_length if deterministic else None)
         # prompt tokens encoded per step (None: the engine's choice, `prefill_budget`)
         self.prefill_chunk = prefill_chunk
         self.pace = PrefillPace(self.canvas_length)
@@ -203,8 +207,10 @@ class Engine:
                 r.cached_tokens, r.prefill_images, _ = self.runner.start_row(r.row, r.prompt, r.images, r.adapter)
                 r.prefilled = r.cached_tokens
             a = r.prefilled
-            # images go in one call with every token after them (an image is encoded whole)
-            n = len(r.prompt) - a if r.prefill_images is not None else min(budget, len(r.prompt) - a)
+            # images go in one call with every token after them (an image is encoded whole); aligned spans
+            # are read whole (a chunk ends on a span bound)
+            chunk = -(-budget // self.canvas_length) * self.canvas_length if self.deterministic else budget
+            n = len(r.prompt) - a if r.prefill_images is not None else min(chunk, len(r.prompt) - a)
             if n:
                 self.runner.prefill(r.row, r.prompt[a : a + n], r.prefill_images)
             r.prefilled, r.prefill_images, budget = a + n, None, budget - n

@@ -3,6 +3,14 @@ prefix cache (prefix_cache.py) the rows' encodes feed and new rows start from.
 
 Rows are Python lists: the cache keeps its bookkeeping on the host, and host values (prompt ids) go to
 the device without waiting for it (`dgemma.device_sync.to_device`).
+
+Aligned spans (`span_tokens`, the engine's deterministic mode): a float matmul's rounding on a CPU or GPU
+depends on the shape of the call a row is in (how many rows, which tile it falls in), so a prompt encoded
+in other chunks, or partly taken from the prefix cache, gets cache entries a rounding apart, and sampling
+can then draw other tokens. With spans every encoder call covers one row's tokens from one multiple of
+`span_tokens` to the next (or to the row's end): a position's entries always come from the same call
+shape, whatever was cached or chunked before. A span read in part (a prompt's or an answer's end) is read
+again, whole, when its row grows; only whole spans feed the prefix cache.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ def model_key(model) -> str:
 
 
 class Runner:
-    def __init__(self, model, max_batch: int, max_length: int, prefix_cache_bytes: int = 0):
+    def __init__(self, model, max_batch: int, max_length: int, prefix_cache_bytes: int = 0,
+                 span_tokens: int | None = None):
         self.model = model
+        self.span_tokens = span_tokens  # aligned spans (see the module docstring), or None
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, max_length)
         self.hidden_size = model.config.hidden_size
@@ -36,6 +46,8 @@ class Runner:
         self.trails: dict[int, RowTrail] = {}  # row -> what it encoded since its last whole block
         # each row's LoRA adapter (dgemma.model.adapters; 0: the base model), for models serving adapters
         self.row_adapter = [0] * max_batch
+        # with aligned spans: row -> (its last span's tokens, read in part, and what reading them overwrote)
+        self.partial_spans: dict[int, tuple[list[int], object]] = {}
 
     @property
     def device(self):
@@ -70,7 +82,11 @@ class Runner:
                 if start < limit < end:
                     limit = start
         root = self.prefix_cache.root_key(adapter)
+        if self.span_tokens:  # whole spans only: the rest is read in the call its span's first token starts
+            limit = limit // self.span_tokens * self.span_tokens
         blocks = self.prefix_cache.match(prompt, root, salts, limit)
+        if self.span_tokens:  # a run of blocks cut short by eviction ends on a span bound too
+            blocks = blocks[: len(blocks) * B // self.span_tokens * self.span_tokens // B]
         for start, end in reversed(spans):  # the blocks found may stop inside an image: back off to its start
             if start < len(blocks) * B < end:
                 blocks = blocks[: start // B]
@@ -103,6 +119,9 @@ class Runner:
         """Encode prompt tokens into their row (all of it, or the next chunk); `images`
         (dgemma.images.ImageInputs) fill its image tokens, in the same call (an image's tokens must be
         encoded together)."""
+        if self.span_tokens and images is None:
+            self._encode_spans(row, prompt)
+            return
         ids = to_device([prompt], torch.long, self.device)
         pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                                 image_position_ids=images.image_position_ids)
@@ -111,15 +130,42 @@ class Runner:
     @torch.no_grad()
     def commit(self, rows: list[int], canvases: list[list[int]]):
         """Encode committed canvases (n lists of L tokens) into their rows' cache."""
+        if self.span_tokens:
+            for row, canvas in zip(rows, canvases):
+                self._encode_spans(row, canvas)
+            return
         self.encode_rows(to_device(canvases, torch.long, self.device), rows, tokens=canvases)
+
+    def _encode_spans(self, row: int, tokens: list[int]):
+        """Append `tokens` to the row one aligned span a call, first reading again the span it left
+        unfinished (if any) together with them."""
+        C = self.span_tokens
+        if row in self.partial_spans:
+            head, saved = self.partial_spans.pop(row)
+            self.cache.rewind(row, saved)
+            tokens = head + tokens
+        if self.cache.row_lengths[row] % C:  # a prompt with images, read in one call: not aligned from here on
+            self.encode_rows(to_device([tokens], torch.long, self.device), [row], tokens=[tokens])
+            return
+        for a in range(0, len(tokens), C):
+            piece = tokens[a : a + C]
+            whole = len(piece) == C
+            saved = None if whole else self.cache.save_overwritten(row, len(piece))
+            self.encode_rows(to_device([piece], torch.long, self.device), [row], tokens=[piece], feed_cache=whole)
+            if not whole:
+                self.partial_spans[row] = (piece, saved)
 
     @torch.no_grad()
     def encode_rows(self, ids: torch.Tensor, rows: list[int], valid: torch.Tensor | None = None,
-                    counts: list[int] | None = None, tokens: list[list[int]] | None = None, **pixels):
+                    counts: list[int] | None = None, tokens: list[list[int]] | None = None,
+                    feed_cache: bool | None = None, **pixels):
         """model.encode of ids (n, T) into `rows` -> hidden (n, T, H); each row's first counts[i] tokens
-        (all without padding) feed the prefix cache. `tokens`: the ids on the host, when the caller has
-        them (else they are read back)."""
-        entries = [] if self.trails else None
+        (all without padding) feed the prefix cache (`feed_cache`; by default unless spans are aligned,
+        where only whole spans do). `tokens`: the ids on the host, when the caller has them (else they
+        are read back)."""
+        if feed_cache is None:
+            feed_cache = not self.span_tokens
+        entries = [] if self.trails and feed_cache else None
         with self._adapters(rows):
             hidden = self.model.encode(ids, self.cache, valid, rows=rows, return_hidden=True, entries_out=entries,
                                        **pixels)
@@ -142,6 +188,10 @@ class Runner:
         if source in self.trails:
             for t in targets:
                 self.trails[t] = self.trails[source].copy()
+        if source in self.partial_spans:
+            head, (start, index, entries, positions) = self.partial_spans[source]
+            for t in targets:
+                self.partial_spans[t] = (list(head), (start, index, dict(entries), positions))
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
@@ -167,6 +217,7 @@ class Runner:
     def free(self, rows: list[int]):
         for r in rows:
             self.trails.pop(r, None)
+            self.partial_spans.pop(r, None)
             self.row_adapter[r] = 0
         if rows:
             self.cache.reset_rows(rows)

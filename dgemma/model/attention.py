@@ -336,6 +336,31 @@ class KVCache:
             self.row_lengths[r] += positions.shape[1]
             self.row_padded[r] |= padded
 
+    def save_overwritten(self, row: int, new_len: int):
+        """What writing `new_len` more tokens into `row` would overwrite: the sliding layers' ring slots
+        (keys, values, positions) that its next positions reuse. `rewind` puts them back."""
+        cap, c = self.capacity[True], self.canvas_slots
+        start = self.row_lengths[row]
+        keep = min(new_len, cap)
+        slots = [p % cap for p in range(start + new_len - keep, start + new_len)]
+        index = torch.tensor(slots, device=self.device)
+        saved = {i: (self.keys[i][row, :, c + index].clone(), self.values[i][row, :, c + index].clone())
+                 for i in range(self.config.num_layers) if self.config.is_sliding(i)}
+        return start, index, saved, self.slot_pos[True][row, index].clone()
+
+    def rewind(self, row: int, saved):
+        """Take back the tokens written into `row` since `save_overwritten` made `saved`: the row's length
+        returns to what it was and the ring slots they reused get their old entries."""
+        self._memo.clear()
+        start, index, entries, positions = saved
+        c = self.canvas_slots
+        for i, (k, v) in entries.items():
+            self.keys[i][row, :, c + index] = k
+            self.values[i][row, :, c + index] = v
+        self.slot_pos[True][row, index] = positions
+        self.slot_pos[False][row, start : self.row_lengths[row]] = -1
+        self.row_lengths[row] = start
+
     def copy_row(self, source: int, targets: list[int]):
         """Give `targets` the exact contents of row `source` (entries, slot positions, length): a prefix
         encoded once serves several continuations, each then appended in its own row."""
