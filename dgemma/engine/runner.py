@@ -119,9 +119,11 @@ class Runner:
         """Encode prompt tokens into their row (all of it, or the next chunk); `images`
         (dgemma.images.ImageInputs) fill its image tokens, in the same call (an image's tokens must be
         encoded together)."""
-        if self.span_tokens and images is None:
-            self._encode_spans(row, prompt)
-            return
+        if self.span_tokens:
+            if images is None:
+                self._encode_spans(row, prompt)
+                return
+            self.trails.pop(row, None)  # read in one call, not in spans: this row no longer feeds the cache
         ids = to_device([prompt], torch.long, self.device)
         pixels = {} if images is None else dict(pixel_values=images.pixel_values,
                                                 image_position_ids=images.image_position_ids)
