@@ -136,3 +136,24 @@ def test_prefix_cache_keys_images_by_their_pixels(vision_model, processor):
     want = [plain.generate([p], s, seeds=[i], images=[im])[0] for i, (p, im) in enumerate(cases)]
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.cached_tokens for r in got] == [0, len(first) // 16 * 16, 0] and len(first) >= 32
+
+
+@torch.no_grad()
+def test_deterministic_mode_reads_an_image_prompt_in_one_call_and_caches_none_of_it(vision_model, processor):
+    """With --deterministic an image prompt is still read in one call (an image is encoded whole), so its
+    row leaves the aligned spans: its canvases commit in one call each, the tokens are the default
+    engine's, and nothing of the row goes into the prefix cache (its block chain would not match its
+    tokens); a text prompt after it feeds the cache as usual."""
+    model = vision_model
+    prompt, inputs = image_prompt(model, processor, [2, 40, model.config.image_token_id, 41, 42] + [43] * 30,
+                                  [picture(37, 53)])
+    assert len(prompt) % model.config.canvas_length == 0  # so its canvases could go on in whole spans
+    s = sampling(model, eos_token_ids=(model.config.vocab_size,))  # no EOS: 40 tokens, a commit on the way
+    deterministic = Engine(model, max_batch=1, max_length=256, prefix_cache_bytes=1 << 26, deterministic=True)
+    plain = Engine(model, max_batch=1, max_length=256)
+    got = deterministic.generate([prompt], s, seeds=[0], images=[inputs])[0]
+    assert got.tokens == plain.generate([prompt], s, seeds=[0], images=[inputs])[0].tokens
+    assert len(got.tokens) == 40 and deterministic.prefix_cache.stats.inserted == 0
+    text = [2, 40] + [43] * 70
+    deterministic.generate([text], s, seeds=[1])
+    assert deterministic.prefix_cache.stats.inserted > 0
