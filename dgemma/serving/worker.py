@@ -72,11 +72,12 @@ class RequestStream:
 class EngineWorker:
     def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None,
                  engine_class=Engine, on_fatal=None, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, deterministic: bool = False):
         """engine_class: Engine, or LockstepEngine on rank 0 of a split model; there a failed step is fatal
         (the ranks are out of step): `fatal` says why, new work is refused (503) and `on_fatal()` runs."""
         self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length,
-                                 prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
+                                 prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
+                                 deterministic=deterministic)
         self.model = model
         self.engine_class, self.on_fatal, self.fatal = engine_class, on_fatal, None
         self.engine = engine_class(model, **self._engine_args)
