@@ -64,7 +64,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         max_length = max_length or min(model.config.max_position_embeddings, 8192)
         # deterministic: every encoder call one row's aligned canvas-long span (runner.py), so a request's
-        # tokens depend on its prompt and seed alone, not on what was cached or how its prompt was chunked
+        # tokens do not depend on what was cached or how its prompt was chunked (its batch can still move
+        # the decoder's rounding: see docs/serving.md)
         self.deterministic = deterministic
         self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes,
                              span_tokens=self.canvas_length if deterministic else None)
