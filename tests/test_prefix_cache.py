@@ -167,6 +167,31 @@ def test_deterministic_mode_gives_the_same_floats_whatever_was_cached():
         assert r.tokens == reference_tokens and seen == reference_drafts, name
 
 
+def test_deterministic_mode_gives_the_same_floats_whatever_else_runs(model):
+    """Deterministic mode: a request's drafts (entropies as floats, bit for bit) and tokens alone, beside a
+    longer and a shorter request submitted with it, and joining two that are already denoising. (Without
+    the mode, a shared decoder forward pads every row's keys to the longest row's and routes every row's
+    tokens together, which moves a row's rounding.)"""
+    s = _sampling(max_new_tokens=48)
+    target = BASE[:30]
+
+    def drafts(companions, head_start: int = 0):
+        engine = Engine(model, max_batch=3, max_length=256, deterministic=True)
+        seen = []
+        others = [engine.submit(Request(prompt=p, sampling=s, seed=7 + i)) for i, p in enumerate(companions)]
+        for _ in range(head_start):
+            engine.step()
+        r = engine.submit(Request(prompt=target, sampling=s, seed=1, want_drafts=True,
+                                  on_event=lambda e: seen.append(e.entropy) if e.kind == "draft" else None))
+        engine.run_until_done([r, *others])
+        return r.tokens, seen
+
+    alone = drafts([])
+    assert len(alone[1]) == 3 * s.max_denoising_steps
+    assert drafts([BASE + BASE[:50], [5, 6, 7]]) == alone
+    assert drafts([BASE + BASE[:50], [5, 6, 7]], head_start=3) == alone
+
+
 def _rss_run(budget: int) -> dict:
     child = Path(__file__).with_name("prefix_cache_rss_check.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}

@@ -197,7 +197,17 @@ class Runner:
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
-        """One decoder forward for the given rows: canvases (n, L), softs[i] (L, H) or None -> logits (n, L, V)."""
+        """One decoder forward for the given rows: canvases (n, L), softs[i] (L, H) or None -> logits (n, L, V).
+        With aligned spans (deterministic) one forward a row: a row's rounding in a shared forward follows
+        the others' (the keys are padded to the longest row's, the experts see every row's tokens)."""
+        if self.span_tokens and len(rows) > 1:
+            logits = None
+            for i, row in enumerate(rows):
+                one = self.denoise([row], canvases[i : i + 1], softs[i : i + 1])
+                if logits is None:
+                    logits = one.new_empty(len(rows), *one.shape[1:])
+                logits[i] = one[0]
+            return logits
         soft = None
         if any(s is not None for s in softs):  # rows at their first step get an exact zero signal
             zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
