@@ -257,10 +257,10 @@ def add_prefix_cache_arguments(p):
                         "as many as take about one of their steps, measured, so they keep stepping; 8 canvases "
                         "when none is)")
     p.add_argument("--deterministic", action="store_true",
-                   help="a request's tokens do not depend on what the prefix cache held or how its prompt "
-                        "was chunked: every encoder call reads one aligned canvas-long span of a request (a "
-                        "span read in part is read again when its request grows), at some cost in prefill "
-                        "speed; the other requests in its batch can still move its rounding")
+                   help="a request's tokens depend on its prompt and seed alone, not on what the prefix cache "
+                        "held, how its prompt was chunked or what else runs: every encoder call reads one "
+                        "aligned canvas-long span of a request (a span read in part is read again when its "
+                        "request grows) and the decoder runs a request at a time, at some cost in speed")
 
 
 def free_memory_bytes(device) -> int:

@@ -20,8 +20,10 @@ Scoring requests (evaluation harnesses) take rows too, but are not continued: th
 are scored together by the causal encoder (scoring.py), one chunk per step beside the denoising forward,
 and leave when scored.
 
-Every request owns a torch.Generator, so its tokens do not depend on what else is in the batch: a
-request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s.
+Every request owns a torch.Generator, so its draws do not depend on what else is in the batch: a
+request with seed s yields what `dgemma.generation.generate` yields for that prompt alone with seed s, up
+to float rounding, which the batch and the prefix cache move (on a large model that can flip a draw;
+`deterministic` rules it out, runner.py).
 A request with a `constraint` (dgemma.structured) is guided and committed through its ConstrainedAnswer,
 exactly as the plain loop does it. A request's `images` are encoded with its prompt (the vision tower runs
 in its prefill) and released; from then on it steps like any other row.
@@ -63,9 +65,9 @@ class Engine:
         self.canvas_length = model.config.canvas_length
         self.vocab_size = model.config.vocab_size
         max_length = max_length or min(model.config.max_position_embeddings, 8192)
-        # deterministic: every encoder call one row's aligned canvas-long span (runner.py), so a request's
-        # tokens do not depend on what was cached or how its prompt was chunked (its batch can still move
-        # the decoder's rounding: see docs/serving.md)
+        # deterministic: every encoder call one row's aligned canvas-long span, and one decoder forward a row
+        # (runner.py), so a request's tokens depend on its prompt and seed alone: not on what was cached,
+        # how its prompt was chunked or what else runs
         self.deterministic = deterministic
         self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes,
                              span_tokens=self.canvas_length if deterministic else None)

@@ -10,7 +10,8 @@ in other chunks, or partly taken from the prefix cache, gets cache entries a rou
 can then draw other tokens. With spans every encoder call covers one row's tokens from one multiple of
 `span_tokens` to the next (or to the row's end): a position's entries always come from the same call
 shape, whatever was cached or chunked before. A span read in part (a prompt's or an answer's end) is read
-again, whole, when its row grows; only whole spans feed the prefix cache.
+again, whole, when its row grows; only whole spans feed the prefix cache. The decoder then runs one
+forward a row (`denoise`), so that the other rows cannot move a row's rounding either.
 """
 
 from __future__ import annotations
