@@ -43,7 +43,18 @@ def _briefly_trained_tiny_model(steps=500):
     experts; trained routers have margins. Train the tiny preset a little (AR + denoising losses on
     arithmetic sequences) so the comparison measures quantisation, not chaos. (After 300 steps a few
     positions still flipped experts: int4's mean cosine came out 0.987-0.996 depending on the seed and
-    on the matmuls' rounding order; after 500 steps 0.991-0.996 over three seeds.)"""
+    on the matmuls' rounding order; after 500 steps 0.991-0.996 over three seeds.) Trained on 2 threads
+    whatever the process runs with: the weights depend on the reductions' split, and with 1 thread int4's
+    cosine came out 0.980."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return _train_tiny(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_tiny(steps: int):
     torch.manual_seed(0)
     model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     model.reset_parameters(seed=0)

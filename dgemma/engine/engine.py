@@ -178,7 +178,8 @@ class Engine:
         read = self._prefill_step()
         if self.generating:
             self._denoise_step()  # ends in a read of the device: the time since `start` is the work's
-            self.pace.observe(read, time.perf_counter() - start)
+            if self.prefill_chunk is None:  # a fixed chunk needs no pace
+                self.pace.observe(read, time.perf_counter() - start)
 
     @property
     def generating(self) -> list[Request]:
