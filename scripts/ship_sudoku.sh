@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Copy a training checkpoint into dgemma/assets/sudoku (the model `dgemma sudoku` uses by default), and the
 # AR baseline's model, if given, into dgemma/assets/sudoku-ar; measure them on the held-out bucket sets
-# (plain and clamped decoding, per bucket) and write the results to results/sudoku: the eval JSON lines in
-# eval/, RESULTS.md, the training logs and plots.
+# (plain and clamped decoding, per bucket) and write the results to results/sudoku: the eval JSON lines and
+# their tables (TABLES.md) in eval/, the training logs and plots. Only what it makes is replaced there.
 #   scripts/ship_sudoku.sh runs/sudoku-diffusion/checkpoints/step-N [runs/sudoku-ar/checkpoints/step-M/model]
 # COMPARE=runs/sudoku-diffusion/checkpoints/step-M/model also measures the diffusion model at the AR step count
 # (set COMPARE_STEP and AR_STEP to label the table). CURVE=runs/curve adds the learning curve: the eval
@@ -78,7 +78,9 @@ for bucket in easy medium hard; do
       | tail -1 > "$EVAL/ar-$bucket.json"
   fi
 done
-python scripts/sudoku_results.py "$RESULTS.tmp" "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > "$RESULTS.tmp/RESULTS.md"
+# the tables this run measured; results/sudoku/RESULTS.md (written by hand around them) is left as it is
+TABLES="$EVAL/TABLES.md"
+python scripts/sudoku_results.py "$RESULTS.tmp" "$DEST" "${COMPARE_STEP:-?}" "${AR_STEP:-?}" > "$TABLES"
 if [ -n "${CURVE:-}" ]; then
   mkdir -p "$EVAL/curve" && cp "$CURVE"/*.json "$EVAL/curve/"
   STEP=$(python -c "import json; print(json.load(open('$RESULTS.tmp/trainer_state.json'))['step'] + $OFFSET)")
@@ -87,9 +89,16 @@ if [ -n "${CURVE:-}" ]; then
     cp "$EVAL/diffusion-$b.json" "$EVAL/curve/shipped-$STEP-$b.json"  # and its own decoding, apart
     if [ -n "$AR${REUSE:-}" ]; then cp "$EVAL/ar-$b.json" "$EVAL/curve/ar-$AR_STEP-$b.json"; fi
   done
-  { printf '\n## Learning curve\n\nEvery diffusion point is measured with the released decoding (T 0.8 -> 0.4, at most 48 steps), so the points compare with each other; the stars are the shipped model with its shipped decoding.\n\n![learning curve](learning-curve.png)\n\n'
+  { printf '\n## Learning curve\n\nEvery diffusion point is measured with the released decoding (T 0.8 -> 0.4, at most 48 steps), so the points compare with each other; the stars are the shipped model with its shipped decoding.\n\n![learning curve](../learning-curve.png)\n\n'
     python scripts/sudoku_curve.py "$EVAL/curve" "$RESULTS.tmp/learning-curve.png" "${SECONDS_PER_STEP:-1.9}" \
-      ${STAGE1:+"$OFFSET"}; } >> "$RESULTS.tmp/RESULTS.md"
+      ${STAGE1:+"$OFFSET"}; } >> "$TABLES"
 fi
-rm -rf "$RESULTS" && mv "$RESULTS.tmp" "$RESULTS"
+# replace what this run made, one entry at a time: the folder's other results (search/, stage3/, orders/,
+# RESULTS.md) stay
+mkdir -p "$RESULTS"
+for made in "$RESULTS.tmp"/*; do
+  rm -rf "$RESULTS/$(basename "$made")" && mv "$made" "$RESULTS/"
+done
+rmdir "$RESULTS.tmp"
+echo "new tables: $TABLES -> $RESULTS/eval/TABLES.md (copy what changed into $RESULTS/RESULTS.md)"
 ls -la "$DEST" ${AR:+"$AR_DEST"} "$RESULTS" "$RESULTS/eval"
