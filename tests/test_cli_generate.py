@@ -79,6 +79,7 @@ def test_draft_view_renders_tokens_by_state(tiny_model_dir):
     (["--prompt", "hi", "--accept-order", "random"], "invalid choice: 'random'"),
     (["--prompt", "hi", "--t-min", "0.9", "--t-max", "0.5"], "t_min <= t_max"),
     (["--prompt", " ".join(["hello"] * 300)], "context is 256"),
+    (["--prompt", "hi", "--deterministic", "--compile"], "--deterministic runs eagerly: drop --compile"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_model_dir, args, message):
     if "--model" not in args:
@@ -188,3 +189,18 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
     assert dtype(tiny_model_dir) == torch.float32
     assert dtype(tmp_path / "missing") == torch.float32
     assert dtype(wide, "fp32") == torch.float32 and dtype(tiny_model_dir, "bf16") == torch.bfloat16
+
+
+def test_deterministic_runs_eagerly(monkeypatch):
+    """--deterministic never compiles, even where the command would by default: compiled kernels round
+    otherwise than eager ones, and autotuning picks them by timings."""
+    from argparse import Namespace
+
+    import dgemma
+    from dgemma.commands._common import wants_compile
+
+    monkeypatch.delenv("DGEMMA_EAGER", raising=False)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
+    flags = dict(compile=False, eager=False, compile_by_default=True, compile_mode="auto")
+    assert wants_compile(Namespace(**flags, deterministic=False), model)
+    assert not wants_compile(Namespace(**flags, deterministic=True), model)

@@ -123,8 +123,16 @@ def _modes():
 
 
 def wants_compile(args, model) -> bool:
-    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`)."""
+    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`).
+    --deterministic runs eagerly: a compiled step's kernels round otherwise than the eager ones (a server
+    answers eagerly until its step has compiled), and autotuning picks them by timings, which vary from one
+    process to the next."""
     from dgemma.model import compilation
+
+    if getattr(args, "deterministic", False):
+        if getattr(args, "compile", False):
+            raise UsageError("--deterministic runs eagerly: drop --compile")
+        return False
 
     return compilation.should_compile(model, compile=getattr(args, "compile", False),
                                       eager=getattr(args, "eager", False),
@@ -260,7 +268,8 @@ def add_prefix_cache_arguments(p):
                    help="a request's tokens depend on its prompt and seed alone, not on what the prefix cache "
                         "held, how its prompt was chunked or what else runs: every encoder call reads one "
                         "aligned canvas-long span of a request (a span read in part is read again when its "
-                        "request grows) and the decoder runs a request at a time, at some cost in speed")
+                        "request grows), the decoder runs a request at a time, and nothing is compiled; at "
+                        "some cost in speed")
 
 
 def free_memory_bytes(device) -> int:
