@@ -161,13 +161,14 @@ def _pace_at(engine, chunk_tokens: int):
     engine.pace.observe = lambda tokens_read, seconds: None
 
 
-def _lockstep_with_cache(rank, folder, out):
+def _lockstep_with_cache(rank, folder, out, deterministic):
     from dgemma.engine.lockstep import LockstepEngine
     from dgemma.model.parallel import join
     from dgemma.model.parallel_load import load_split_model
 
     model = load_split_model(folder, join("cpu", 30))
-    engine = LockstepEngine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    engine = LockstepEngine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24,
+                            deterministic=deterministic)
     _pace_at(engine, 32 if rank == 0 else 16)  # the ranks' clocks disagree: the leader's chunk is read
     if rank != 0:
         engine.follow()
@@ -178,17 +179,20 @@ def _lockstep_with_cache(rank, folder, out):
     torch.save(results, out)
 
 
-def test_lockstep_ranks_read_the_leaders_chunks_and_share_the_prefix_cache(split_checkpoint, tmp_path):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lockstep_ranks_read_the_leaders_chunks_and_share_the_prefix_cache(split_checkpoint, tmp_path, deterministic):
     """A split model served in lockstep, with the prefix cache on: a long prompt read in chunks beside a
     running request, the leader's chunk size on every rank though their own measurements differ, then a
-    follow-up turn that takes its prompt's blocks from the cache. The tokens are one process's."""
+    follow-up turn that takes its prompt's blocks from the cache. The tokens are one process's; in
+    deterministic mode too (aligned spans, undone and read again on every rank; a decoder forward a row)."""
     from dgemma.engine import Engine
     from dgemma.model import load_model
 
     out = tmp_path / "lockstep.pt"
-    spawn_ranks(_lockstep_with_cache, 2, split_checkpoint, out)
+    spawn_ranks(_lockstep_with_cache, 2, split_checkpoint, out, deterministic)
     tokens, cached = torch.load(out)
-    engine = Engine(load_model(split_checkpoint), max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    engine = Engine(load_model(split_checkpoint), max_batch=2, max_length=256, prefix_cache_bytes=1 << 24,
+                    deterministic=deterministic)
     _pace_at(engine, 32)
     chunks = []
     prefill = engine.runner.prefill
