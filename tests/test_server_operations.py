@@ -59,6 +59,13 @@ def test_metrics_move_with_traffic(server):
     assert after[("dgemma_queue_depth", ())] == 0 and after[("dgemma_active_rows", ())] == 0
     assert after[("dgemma_step_compiled", ())] == 0  # --eager
     assert ("dgemma_prefix_cache_hits_total", ()) in after
+    cache = httpx.get(f"{server.url}/health", timeout=10).json()["prefix_cache"]  # the default budget: on
+    for stat, sample in (("blocks", "dgemma_prefix_cache_blocks"), ("bytes", "dgemma_prefix_cache_bytes"),
+                         ("budget_bytes", "dgemma_prefix_cache_budget_bytes"),
+                         ("inserted", "dgemma_prefix_cache_inserted_blocks_total"),
+                         ("evictions", "dgemma_prefix_cache_evictions_total")):
+        assert after[(sample, ())] == cache[stat], sample
+    assert cache["budget_bytes"] > 0 and cache["inserted"] > 0
 
 
 def test_request_ids_and_access_log(server):

@@ -10,12 +10,15 @@ Three places feed it:
 
 Prefix cache: an engine request that reused cached prefix positions says how many in
 `Request.cached_prefix_tokens` (absent or None: no prefix cache ran); `finished` counts them in
-dgemma_prefix_cache_hit_tokens_total and the requests that hit in dgemma_prefix_cache_hits_total.
+dgemma_prefix_cache_hit_tokens_total and the requests that hit in dgemma_prefix_cache_hits_total. What
+the cache holds (blocks, bytes, budget) and its blocks stored and evicted are read from the engine's
+`PrefixCacheStats` at each scrape, as /health shows them (nothing while the cache is off).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
@@ -69,6 +72,7 @@ class ServerMetrics:
         self.queue_depth.set_function(lambda: worker.load()["waiting"])
         self.active_rows.set_function(lambda: worker.load()["active"])
         self.compiled.set_function(lambda: float(step_kind() == "compiled"))
+        self.registry.register(_PrefixCacheCollector(worker))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -92,3 +96,29 @@ class ServerMetrics:
 
     def engine_failure(self):
         self.errors.labels(kind="engine_failure").inc()
+
+
+class _PrefixCacheCollector:
+    """The engine's prefix cache as /health shows it, read at each scrape (`PrefixCacheStats`)."""
+
+    GAUGES = (("blocks", "dgemma_prefix_cache_blocks", "Blocks the prefix cache holds"),
+              ("bytes", "dgemma_prefix_cache_bytes", "Bytes the prefix cache's blocks take"),
+              ("budget_bytes", "dgemma_prefix_cache_budget_bytes", "The prefix cache's budget (--prefix-cache-gib)"))
+    COUNTERS = (("inserted", "dgemma_prefix_cache_inserted_blocks", "Blocks stored in the prefix cache"),
+                ("evictions", "dgemma_prefix_cache_evictions", "Blocks dropped, least recently used first, to "
+                                                              "stay within the budget"))
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def describe(self):
+        return []  # families exist only while the cache is on
+
+    def collect(self):
+        stats = self.worker.load()["prefix_cache"]
+        if stats is None:
+            return
+        for key, name, doc in self.GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats[key])
+        for key, name, doc in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats[key])
