@@ -95,8 +95,9 @@ def run(args):
         raise UsageError(f"{args.model} has no chat template; use `dgemma generate` for plain text")
     sampling = sampling_from_args(model, args)
     context = model.config.max_position_embeddings
-    engine = Engine(model, max_batch=1, max_length=context, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
-                    prefix_cache_bytes=prefix_cache_bytes(args, model, "chat", say=sys.stdin.isatty()))
+    engine = Engine(model, max_batch=1, max_length=context, prefill_chunk=args.prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes(args, model, "chat", say=sys.stdin.isatty()),
+                    deterministic=args.deterministic)
     console = rich.console.Console(stderr=True)
     out = rich.console.Console(soft_wrap=True)  # the answers, on standard output
     codec = TextCodec(tokenizer, model.config.vocab_size)

@@ -191,10 +191,10 @@ class Runner:
         if source in self.trails:
             for t in targets:
                 self.trails[t] = self.trails[source].copy()
-        if source in self.partial_spans:
-            head, (start, index, entries, positions) = self.partial_spans[source]
+        if source in self.partial_spans:  # its saved slots are only read back: every copy may share them
+            head, saved = self.partial_spans[source]
             for t in targets:
-                self.partial_spans[t] = (list(head), (start, index, dict(entries), positions))
+                self.partial_spans[t] = (list(head), saved)
 
     @torch.no_grad()
     def denoise(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None]) -> torch.Tensor:
