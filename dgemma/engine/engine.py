@@ -213,7 +213,8 @@ class Engine:
             a = r.prefilled
             # images go in one call with every token after them (an image is encoded whole); aligned spans
             # are read whole (a chunk ends on a span bound)
-            chunk = -(-budget // self.canvas_length) * self.canvas_length if self.deterministic else budget
+            span = self.runner.span_tokens
+            chunk = -(-budget // span) * span if span else budget
             n = len(r.prompt) - a if r.prefill_images is not None else min(chunk, len(r.prompt) - a)
             if n:
                 self.runner.prefill(r.row, r.prompt[a : a + n], r.prefill_images)
