@@ -33,7 +33,7 @@ STEPS3=${STEPS3:-1200}
 UNTIL3=${UNTIL3:-$STEPS3}
 OUT3=${OUT3:-runs/sudoku-$OBJECTIVE-stage3}
 [ "$STAGE" = 3 ] || [ -f "$DATA/train.jsonl" ] || dgemma sudoku prepare --out "$DATA" --train 20000 --augment 4 --per-bucket 300 --validation 300 --seed 0
-COMMON=(--objective "$OBJECTIVE" --eos-id 1 --batch-size 64 --precision bf16
+COMMON=(--objective "$OBJECTIVE" --eos-id 1 --batch-size 64 --precision auto
         --encoder-loss-weight 0 --save-every "${SAVE_EVERY:-250}" --keep-checkpoints "${KEEP:-2}" ${RESUME:+--resume})
 if [ "$STAGE" = 1 ] || [ "$STAGE" = all ]; then
   dgemma train --init scripts/sudoku-model.json --data "$DATA/train.jsonl" "${COMMON[@]}" --steps 6000 --until "$UNTIL" \

@@ -162,6 +162,60 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
 
 
+def test_precision_auto_takes_bf16_only_where_the_cpu_multiplies_it(tmp_path, monkeypatch, capsys):
+    """--precision auto: bf16 autocast where the device multiplies bf16 natively, fp32 elsewhere (an AVX2
+    CPU emulates bf16 several times slower); an explicit bf16 there runs, after one warning line."""
+    from dgemma.training import loop
+    from dgemma.training.model_setup import resolve_precision
+
+    cpu = torch.device("cpu")
+    assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    short = dict(steps=1, log_every=1, save_every=1, compile=False)
+    for has_bf16, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"),
+                                  (False, "bf16", "bf16 autocast")]:
+        monkeypatch.setattr(loop, "native_bf16", lambda device, has=has_bf16: has)
+        monkeypatch.setattr("dgemma.training.model_setup.native_bf16", lambda device, has=has_bf16: has)
+        train(task_config(tmp_path, f"{has_bf16}-{asked}", precision=asked, **short))
+        err = capsys.readouterr().err
+        assert f"on cpu, eager (--eager), {runs}" in err
+        assert ("does not multiply bf16 natively" in err) == (asked == "bf16" and not has_bf16)
+    with pytest.raises(ConfigError, match="precision must be 'fp32', 'bf16' or 'auto'"):
+        train(task_config(tmp_path, "bad", precision="fp16", **short))
+
+
+def test_compiled_training_routes_the_experts_by_the_cost_model():
+    """Compiled for training, the routed experts leave the graph (a step's thousands of tokens pad a traced
+    grid to the busiest expert): `route` runs eagerly, and outputs and gradients match the eager block."""
+    from dgemma.model.experts import Experts
+    from dgemma.training.model_setup import compile_for_training
+
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
+    model.reset_parameters(seed=1)
+    block = model.layers[0]
+    x = torch.randn(3, 40, model.config.hidden_size)
+    eager_out = block.feed_forward(x)
+    eager_out.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    block.zero_grad(set_to_none=True)
+    assert compile_for_training(model)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and not any(e.trace_grid for e in experts)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = block.feed_forward(x)
+    assert any("routed experts dispatched by the cost model" in reason  # route ran eagerly, between graphs
+               for reason in torch._dynamo.utils.counters["graph_break"])
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    grads = [p.grad for p in block.parameters() if p.grad is not None]
+    assert len(grads) == len(eager_grads)
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)  # float reassociation only
+
+
 def test_ar_baseline_from_scratch_lowers_the_loss(tmp_path):
     torch.set_num_threads(1)
     result = train(task_config(tmp_path, "ar", objective="ar"))

@@ -11,7 +11,9 @@ with the per-expert counts that places it in any grouped layout. Then one of thr
                 so skewed that the padding costs more than the loop, and when weights must be dequantised
                 expert by expert.
 A cost model picks between the last two; inside a compiled graph the grid is traced (CPU) or the whole
-dispatch is one custom op (CUDA, quantised experts).
+dispatch is one custom op (CUDA, quantised experts). Compiled training on a CPU (`trace_grid = False`)
+leaves the dispatch to the cost model between two graphs instead: its thousands of unevenly routed tokens
+would pad the traced grid to the busiest expert (benchmarks/README.md, training steps).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Experts(nn.Module):
     # Where the grouped GEMM runs: CUDA in bf16. torch's CPU implementation of `_grouped_mm` is slower than
     # the grid there, but exact, so the tests force this path on CPU to check it, forward and backward.
     grouped_devices, grouped_dtypes = ("cuda",), (torch.bfloat16,)
+    trace_grid = True  # in a compiled graph on a CPU: the traced grid (True), or `route` run eagerly (False)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -59,6 +62,8 @@ class Experts(nn.Module):
         """x (N, H), weights/experts (N, k) -> (N, H): the routing-weighted sum of each token's k experts."""
         if not torch.compiler.is_compiling():
             outputs = self.route(x, experts)
+        elif not self.trace_grid:
+            outputs = _eager_route(self, x, experts)  # a graph break: the graphs end and resume around it
         elif self.batched and not x.is_cuda:
             outputs = self._traced_grid(x, experts)
         else:  # data-dependent shapes: one opaque op inside a compiled graph
@@ -149,6 +154,9 @@ class Experts(nn.Module):
 # routing, which would otherwise break the graph (or recompile) at every layer. The op finds its
 # module through this registry, so quantised and LoRA experts keep their own `route`.
 _EXPERTS: "weakref.WeakValueDictionary[int, Experts]" = weakref.WeakValueDictionary()
+
+
+_eager_route = torch.compiler.disable(Experts.route, reason="routed experts dispatched by the cost model")
 
 
 def register_for_compile(module: Experts):

@@ -75,8 +75,9 @@ class TrainConfig:
                                  "optimisation", 1e-4)
     betas: tuple[float, float] = option("AdamW betas", "optimisation", (0.95, 0.99), nargs=2, metavar=("B1", "B2"))
     grad_clip: float = option("max global gradient norm, 0 = off", "optimisation", 1.0)
-    precision: str = option("bf16 = autocast (fp32 master weights and optimizer)", "optimisation", "fp32",
-                            choices=("fp32", "bf16"))
+    precision: str = option("bf16 = autocast (fp32 master weights and optimizer); auto = bf16 where the device "
+                            "multiplies bf16 natively (CUDA, AVX-512 CPUs), else fp32", "optimisation", "fp32",
+                            choices=("fp32", "bf16", "auto"))
     compile: bool = option("never torch.compile the training step (also DGEMMA_EAGER=1); by default its blocks "
                            "compile on a CPU in one process (a minute or two once, then faster steps; where "
                            "compiling is unavailable or fails, eager after one warning line)", "optimisation", True,
@@ -131,7 +132,8 @@ class TrainConfig:
     def check(self, world_size: int):
         problems = [
             (self.objective in ("diffusion", "ar"), f"objective must be 'diffusion' or 'ar', not {self.objective!r}"),
-            (self.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', not {self.precision!r}"),
+            (self.precision in ("fp32", "bf16", "auto"),
+             f"precision must be 'fp32', 'bf16' or 'auto', not {self.precision!r}"),
             (self.mixed_precision in (None, "bf16"), f"mixed precision must be 'bf16', not {self.mixed_precision!r}"),
             (self.mixed_precision is None or world_size > 1,
              "--mixed-precision is FSDP2's policy and needs torchrun with 2+ processes; one process: --precision bf16"),

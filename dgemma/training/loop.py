@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +35,9 @@ from dgemma.training.model_setup import (
     base_dtype,
     compile_for_training,
     configure_trainable,
+    native_bf16,
     resolve_model_config,
+    resolve_precision,
 )
 from dgemma.training.objective import ar_losses, diffusion_losses, draw_noise
 from dgemma.training.progress import MetricsLog, Progress, plot_loss
@@ -112,6 +114,11 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     config.check(env.world_size)
     out = Path(config.out)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if env.is_main else (lambda *a: None)
+    config = replace(config, precision=resolve_precision(config.precision, env.device))  # auto -> fp32 | bf16
+    if "bf16" in (config.precision, config.mixed_precision) and not native_bf16(env.device):
+        say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
+            "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
+            "(--precision auto picks fp32 here)")
     latest, saved = _resume_point(config, out, say)
     model_config, eos_id, dataset, _ = _architecture_and_data(config)
     _check_memory(config, model_config, dataset, env)
@@ -122,10 +129,12 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     model, optimizer, trainable = _model_and_optimizer(config, model_config, eos_id, env)
     policy = compile_policy(config, env, model_config)
     compiled = policy == "compile" and compile_for_training(model)
+    numerics = ("FSDP bf16 mixed precision" if config.mixed_precision else
+                "bf16 autocast" if config.precision == "bf16" else "fp32")
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
         f"{env.world_size} process(es) on {env.device.type}, "
-        f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}")
+        f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}, {numerics}")
 
     if env.is_main and importlib.util.find_spec("matplotlib") is None:
         say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")

@@ -15,6 +15,7 @@ import torch
 
 from dgemma.config import FULL, ConfigError, ModelConfig, get_preset
 from dgemma.model.checkpoint import read_json
+from dgemma.model.experts import Experts
 from dgemma.training.lora import apply_lora
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -80,6 +81,23 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     return config_from_init(init, overrides)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 in hardware: a CUDA GPU that supports it, or a CPU with AVX-512
+    (oneDNN's bf16 kernels). Without it (an AVX2 CPU, say), a bf16 matmul takes ATen's scalar fallback:
+    measured 42x slower than fp32 at the sudoku model's shapes, and a bf16-autocast training step 9x
+    slower (benchmarks/README.md, training steps)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """--precision auto -> bf16 where the device multiplies bf16 natively, else fp32; fp32 and bf16 stay."""
+    if precision != "auto":
+        return precision
+    return "bf16" if native_bf16(device) else "fp32"
+
+
 def base_dtype(config) -> torch.dtype:
     """A LoRA base never learns: under bf16 (autocast or mixed precision) it is held in bf16 (half the
     memory); adapters stay fp32.
@@ -135,6 +153,8 @@ def compile_for_training(model) -> bool:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     state = compilation.CompileState(model, "training")
     for block in model.layers:
+        for experts in (m for m in block.modules() if isinstance(m, Experts)):
+            experts.trace_grid = False  # a step's thousands of tokens route unevenly: see dgemma.model.experts
         block.feed_forward = compilation.CompiledOrEager(block.feed_forward, state)
         block.self_attn.project = compilation.CompiledOrEager(block.self_attn.project, state)
     return True
