@@ -82,8 +82,8 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 in hardware: a CUDA GPU that supports it, or a CPU with AVX-512
-    (oneDNN's bf16 kernels). Without it (an AVX2 CPU, say), a bf16 matmul takes ATen's scalar fallback:
+    """Whether `device` has fast bf16 matmuls: a CUDA GPU that supports bf16, or a CPU with AVX-512, where
+    oneDNN's bf16 kernels run. Without them (an AVX2 CPU, say), a bf16 matmul takes ATen's scalar fallback:
     measured 42x slower than fp32 at the sudoku model's shapes, and a bf16-autocast training step 9x
     slower (benchmarks/README.md, training steps)."""
     if device.type == "cuda":
