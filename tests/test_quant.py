@@ -80,7 +80,9 @@ def trained_tiny(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("fmt,min_cos", [("int8", 0.999), ("int4", 0.99)])
+# int4: the trained fixture rounds differently per CPU (its training's matmuls), and so does its int4 error:
+# a mean cosine above 0.99 on an AVX-512 CPU, 0.989 on an AVX2 one
+@pytest.mark.parametrize("fmt,min_cos", [("int8", 0.999), ("int4", 0.985)])
 @torch.no_grad()
 def test_quantised_logits_cosine(trained_tiny, fmt, min_cos):
     dense = dgemma.load_model(trained_tiny)
@@ -216,6 +218,8 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
     and >= 98% of argmaxes equal, for the encoder, a denoising step, and one fed self-conditioning (the int8
     soft embedding). int4 weights are widened whatever the rows here (the tiny model's products are short),
     from our layout (fp32) and from the int4 kernel's (bf16)."""
+    if dtype == torch.bfloat16 and not int8_compute.kernel_layout_widens(64):
+        pytest.skip("torch packs its int4 kernel's layout for AVX-512 only there; the int4 path runs elsewhere")
     monkeypatch.setattr(int8_compute, "MIN_ROWS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_TABLE_ENTRIES", 1)
@@ -249,6 +253,8 @@ def test_int4_codes_widen_to_int8_against_channel_scales(kernel):
     w = torch.randn(128, 256) * torch.rand(128, 1)
     q, scales = quantize_tensor(w, "int4")
     dense = dequantize_tensor(q, scales, "int4", torch.float32)  # (N, K)
+    if kernel and not int8_compute.kernel_layout_widens(128):
+        pytest.skip("torch packs its int4 kernel's layout for AVX-512 only there; the int4 path runs elsewhere")
     if kernel:  # its scales are bf16
         dense = dequantize_tensor(q, scales.to(torch.bfloat16).float(), "int4", torch.float32)
         q, scales = quant._to_kernel_layout(q, scales, torch.bfloat16)
@@ -257,6 +263,14 @@ def test_int4_codes_widen_to_int8_against_channel_scales(kernel):
     assert codes.dtype == torch.int8 and codes.shape == (256, 128) and codes.abs().max() <= 127
     back = codes.float().t() * widener.channel()[:, None]
     assert ((back - dense).abs() <= widener.channel()[:, None] * (0.5 + 8 * 0.5 / 256) * 1.001).all()
+
+
+def test_the_widener_reads_the_int4_kernel_layout_only_as_avx512_packs_it(monkeypatch):
+    """torch packs its CPU int4 kernel's weights per instruction set; the widener reads the AVX-512 packing
+    (blocks of 64 rows), so elsewhere, or off whole blocks, a module keeps the int4 kernel."""
+    for capability, rows, widens in [("AVX512", 128, True), ("AVX512", 96, False), ("AVX2", 128, False)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert int8_compute.kernel_layout_widens(rows) == widens
 
 
 def test_int8_products_stay_exact_past_the_int32_range(monkeypatch):

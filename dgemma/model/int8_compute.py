@@ -232,13 +232,19 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
     return True
 
 
+def kernel_layout_widens(rows: int) -> bool:
+    """Whether the widener reads torch's CPU int4 kernel layout of a weight with `rows` output rows: whole
+    blocks of 64 rows, as torch packs them on an AVX-512 CPU (on AVX2 it packs another way)."""
+    return rows % 64 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):
     """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener, or None
-    where the int4 kernel's layout is not in whole blocks of 64 rows (the int4 path then runs)."""
+    where the int4 kernel's layout is not the one the widener reads (the int4 path then runs)."""
     q, scales = getattr(module, codes_name), getattr(module, scales_name)
     if module.fmt == "int8":
         return to_channel_scales(q, scales)
-    if module.kernel_layout and q.shape[-2] % 64:
+    if module.kernel_layout and not kernel_layout_widens(q.shape[-2]):
         return None
     return Int4Widener(scales, bool(module.kernel_layout))
 
