@@ -114,11 +114,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
     config.check(env.world_size)
     out = Path(config.out)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if env.is_main else (lambda *a: None)
-    config = replace(config, precision=resolve_precision(config.precision, env.device))  # auto -> fp32 | bf16
-    if "bf16" in (config.precision, config.mixed_precision) and not native_bf16(env.device):
-        say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
-            "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
-            "(--precision auto picks fp32 here)")
+    config = _resolved_precision(config, env, say)
     latest, saved = _resume_point(config, out, say)
     model_config, eos_id, dataset, _ = _architecture_and_data(config)
     _check_memory(config, model_config, dataset, env)
@@ -231,6 +227,17 @@ def _resume_point(config: TrainConfig, out: Path, say):
     elif config.resume:
         say(f"note: no checkpoint in {out}; starting from step 0")
     return latest, saved
+
+
+def _resolved_precision(config: TrainConfig, env: D.DistEnv, say) -> TrainConfig:
+    """--precision auto -> fp32 or bf16 for this device (before the resume check, which then compares like
+    with like); bf16 asked for on a device without fast bf16 runs, after one warning line."""
+    config = replace(config, precision=resolve_precision(config.precision, env.device))
+    if "bf16" in (config.precision, config.mixed_precision) and not native_bf16(env.device):
+        say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
+            "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
+            "(--precision auto picks fp32 here)")
+    return config
 
 
 def _architecture_and_data(config: TrainConfig):
