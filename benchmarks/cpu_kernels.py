@@ -277,6 +277,8 @@ def measure(args) -> tuple[list, dict]:
     g = torch.Generator().manual_seed(0)
     candidates = systems(args)
     skipped = {s.name: s.unavailable() for s in candidates if getattr(s, "unavailable", lambda: None)()}
+    if missing("kt_kernel"):  # KTransformers' CPU MoE kernels: see benchmarks/README.md for what they run
+        skipped["kt-kernel"] = "not installed (kt-kernel 0.7.2 pins torch==2.9.1; its MoE ops gate with SiLU only)"
     available = [s for s in candidates if s.name not in skipped]
     rows = []
     for part, K, N, counts in SHAPES:
@@ -308,41 +310,53 @@ def measure(args) -> tuple[list, dict]:
 
 # -- a whole MoE layer ----------------------------------------------------------------------------------------
 def moe_layer(args) -> dict:
-    """Router + 128 experts top-8 over `--moe-tokens` tokens: dgemma's QuantExperts (int4, torch's kernel; int8
-    compute on and off) against onnxruntime's QMoE (its CPU op gates with SwiGLU only: timing, not parity)."""
+    """Router + 128 experts top-8 over each of `--moe-tokens` token counts: dgemma's QuantExperts on torch's int4
+    kernel (int8 compute off and on: it widens experts with 128 rows or more), on OpenVINO
+    (`dgemma.model.openvino_experts`, timed at every count: the model gives it MIN_ENTRIES entries or more),
+    and onnxruntime's QMoE (its CPU op gates with SwiGLU only: timing, not parity)."""
     import dataclasses
 
     import dgemma
+    from dgemma.model import openvino_experts
     from dgemma.model.random_weights import random_model
 
     full = dgemma.get_preset("diffusiongemma-26b-a4b")
     config = dataclasses.replace(full, num_layers=1, layer_types=full.layer_types[:1], vocab_size=1024)
     model = random_model(config, dtype=torch.bfloat16, quantize="int4", seed=0)
-    int8_compute.enable(model, "on")
+    skipped = {}
+    try:
+        int8_compute.enable(model, "on", library="openvino")
+    except ValueError as e:
+        skipped["dgemma-openvino"] = str(e)
+        int8_compute.enable(model, "on", library="torch")
     block = model.layers[0]
-    prepared_int8, block.experts.int8 = block.experts.int8, None
-    x = torch.randn(args.moe_tokens, config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    prepared, library = block.experts.int8, block.experts.library
+    openvino_experts.MIN_ENTRIES = 0  # the graph at every count here
 
-    def dgemma_layer(int8):
+    def dgemma_layer(x, int8, ov):
         def run():
-            block.experts.int8 = prepared_int8 if int8 else None
+            block.experts.int8, block.experts.library = (prepared if int8 else None), (library if ov else None)
             return block.experts(x, *block.router(x))
         return run
 
-    fns = {"dgemma-int4": dgemma_layer(False), "dgemma-int8-compute": dgemma_layer(True)}
-    skipped = {}
-    why = missing("onnxruntime") or missing("onnx")
-    if why:
-        skipped["ort-qmoe"] = why
-    else:
-        for level in (4, 0):
-            fns[f"ort-qmoe-acc{level}"] = _qmoe(config, block.router, x, level, args)
-    with torch.no_grad():
-        t = medians(fns, max(3, args.repeats // 3), inner=1)
-    out = {name: {"ms": s * 1e3, "vs_dgemma_int4": t["dgemma-int4"] / s} for name, s in t.items()}
-    print(f"  MoE layer, {args.moe_tokens} tokens, top-{config.top_k_experts} of {config.num_experts}: " + ", ".join(
-        f"{n} {v['ms']:.1f} ms ({v['vs_dgemma_int4']:.2f}x)" for n, v in out.items()), flush=True)
-    return {"tokens": args.moe_tokens, "times": out, "skipped": skipped}
+    qmoe_missing = missing("onnxruntime") or missing("onnx")
+    if qmoe_missing:
+        skipped["ort-qmoe"] = qmoe_missing
+    out = {}
+    for tokens in args.moe_tokens:
+        x = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        fns = {"dgemma-int4": dgemma_layer(x, False, False), "dgemma-int8-compute": dgemma_layer(x, True, False)}
+        if library is not None:
+            fns["dgemma-openvino"] = dgemma_layer(x, False, True)
+        if not qmoe_missing:
+            for level in (4, 0):
+                fns[f"ort-qmoe-acc{level}"] = _qmoe(config, block.router, x, level, args)
+        with torch.no_grad():
+            t = medians(fns, max(3, args.repeats // 3), inner=1)
+        out[str(tokens)] = {name: {"ms": s * 1e3, "vs_dgemma_int4": t["dgemma-int4"] / s} for name, s in t.items()}
+        print(f"  MoE layer, {tokens} tokens, top-{config.top_k_experts} of {config.num_experts}: " + ", ".join(
+            f"{n} {v['ms']:.1f} ms ({v['vs_dgemma_int4']:.2f}x)" for n, v in out[str(tokens)].items()), flush=True)
+    return {"times": out, "skipped": skipped}
 
 
 def _qmoe(config, router, x, accuracy_level: int, args):
@@ -408,7 +422,8 @@ def main():
     p.add_argument("--head-rows", type=int, default=32768, help="vocabulary entries of the head's slice")
     p.add_argument("--only", default="", help="comma-separated parts (prefixes): expert, dense, sliding, full, head")
     p.add_argument("--moe", action="store_true", help="also a whole MoE layer (fused library ops)")
-    p.add_argument("--moe-tokens", type=int, default=256)
+    p.add_argument("--moe-tokens", type=lambda text: [int(t) for t in text.split(",")], default=[1, 4, 16, 64, 256],
+                   help="comma-separated token counts for --moe (default 1,4,16,64,256)")
     p.add_argument("--ort-spin", action="store_true", help="let onnxruntime's threads spin between calls")
     args = p.parse_args()
     args.only = [o for o in args.only.split(",") if o]

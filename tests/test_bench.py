@@ -21,6 +21,10 @@ def test_tiny_bench_prints_json(tmp_path):
     assert result["speedup_vs_transformers"] > 0 and result["speedup_vs_ar"] > 0
     assert all(r["tokens_per_s"] > 0 for r in result["results"])
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    ran = result["what_ran"]  # what the figures ran: kernels per part, int8 compute, threads, load
+    assert ran["int8_compute"] is False and ran["cpu"]["threads"] == 1
+    assert ran["canvas step (16 rows)"]["experts"].startswith("float32 matmuls") and "before" in ran["load_average"]
+    assert "what ran: int8 compute off" in proc.stdout
 
 
 def test_bench_rejects_bad_batch():
