@@ -108,7 +108,6 @@ class OrtNBits:
         return missing("onnxruntime") or missing("onnx")
 
     def prepare(self, q, scales, dense, bits: int = 4):
-        import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
 
         N, K = dense.shape
@@ -121,11 +120,7 @@ class OrtNBits:
             [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])],
             initializer=[numpy_helper.from_array(codes.numpy(), "B"),
                          numpy_helper.from_array(scales.float().numpy(), "S")])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = ort_session(graph, self.spin)
         binding = session.io_binding()
 
         def run(x):
@@ -136,6 +131,19 @@ class OrtNBits:
             session.run_with_iobinding(binding)
             return y.to(x.dtype)
         return run
+
+
+def ort_session(graph, spin: bool):
+    """An onnxruntime CPU session over `graph` (opset 21 + com.microsoft), torch's thread count; `spin`: its
+    threads spin between calls (off by default: spinning threads slow the next system's call down)."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def torch_to_np_dtype(t: torch.Tensor):
@@ -362,7 +370,6 @@ def moe_layer(args) -> dict:
 def _qmoe(config, router, x, accuracy_level: int, args):
     """onnxruntime's QMoE over random int4 experts of the 26B's shape (dgemma's layout: groups of 32, zero
     point 8, fc1 = gate and up interleaved), routed by dgemma's router scores."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
@@ -377,11 +384,7 @@ def _qmoe(config, router, x, accuracy_level: int, args):
     graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", H]),
                                                helper.make_tensor_value_info("router", TensorProto.FLOAT, ["N", E])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", H])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if args.ort_spin else "0")
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort_session(graph, args.ort_spin)
     binding = session.io_binding()
 
     def run():
