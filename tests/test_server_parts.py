@@ -157,7 +157,7 @@ def test_an_internal_error_is_a_500_that_keeps_the_connection():
     import uvicorn
     from fastapi import FastAPI
 
-    from dgemma.serving.http_plumbing import InternalErrors
+    from dgemma.serving.middleware import InternalErrors
 
     app = FastAPI()
     app.add_middleware(InternalErrors)

@@ -38,10 +38,10 @@ from dgemma.serving import responses as bodies
 from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.serving.adapters import adapter_card, no_adapter_scoring
 from dgemma.serving.errors import APIError, bad_request
-from dgemma.serving.handlers import echo_only, generate, score, tool_constraint
-from dgemma.serving.http_plumbing import JSONBodyRoute, add_error_handlers
+from dgemma.serving.completions import echo_only, generate, score, tool_constraint
+from dgemma.serving.middleware import JSONBodyRoute, add_error_handlers
 from dgemma.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from dgemma.serving.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dgemma.serving.requests import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from dgemma.serving.state import ServerState
 from dgemma.serving.traffic import Traffic, TrafficMiddleware
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dgemma.serving.protocol import (
+from dgemma.serving.requests import (
     NO_LOGPROBS,
     GenerationFields,
     NonEmptyStr,

@@ -93,7 +93,7 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     import uvicorn
 
     from dgemma.serving.app import create_app
-    from dgemma.serving.shutdown import FLUSH_SECONDS, GracefulServer
+    from dgemma.serving.lifecycle import FLUSH_SECONDS, GracefulServer
 
     server = None
 

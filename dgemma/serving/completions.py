@@ -29,8 +29,8 @@ from dgemma.generation.canvas import most_new_tokens
 from dgemma.sampling import seed_or_random
 from dgemma.serving.chat_protocol import ChatCompletionRequest
 from dgemma.serving.errors import APIError, bad_request
-from dgemma.serving.http_plumbing import sse
-from dgemma.serving.protocol import CompletionRequest
+from dgemma.serving.middleware import sse
+from dgemma.serving.requests import CompletionRequest
 from dgemma.serving.responses import ChunkWriter, usage
 from dgemma.serving.scores import scored_choice
 from dgemma.serving.state import ServerState
