@@ -112,3 +112,12 @@ def test_no_import_circles():
 def test_nothing_imports_the_cli_but_the_entry_point():
     """cli.py sits on top (it dispatches to commands/): an import of it from below runs back up."""
     assert sorted(name for name, imports in import_graph().items() if "dgemma.cli" in imports) == ["dgemma.__main__"]
+
+
+def test_only_the_cli_imports_the_commands():
+    """commands/ sits under cli.py and over everything else: the server takes what it needs of the flags as its
+    settings and a model loader (serving/server.py), never by importing a command."""
+    found = sorted(name for name, imports in import_graph().items()
+                   if not (name == "dgemma.cli" or name.startswith("dgemma.commands"))
+                   and any(m == "dgemma.commands" or m.startswith("dgemma.commands.") for m in imports))
+    assert found == []

@@ -88,7 +88,7 @@ class ModelLoader(Protocol):
 
 
 def serve(settings: ServerSettings, loader: ModelLoader) -> int:
-    """Build the state, listen, and serve until SIGTERM or Ctrl-C has drained the server (shutdown.py).
+    """Build the state, listen, and serve until SIGTERM or Ctrl-C has drained the server (lifecycle.py).
     Returns the exit code: 1 when the ranks of a split model were lost."""
     import uvicorn
 
@@ -107,7 +107,7 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
         return 0
     sock = _listen(settings.host, settings.port)
     announce(settings, state.codec.task + (", images" if state.images else ""), sock.getsockname()[1])
-    # uvicorn's access log is replaced by the app's own, which names each request's X-Request-Id (traffic.py)
+    # uvicorn's access log is replaced by the app's own, which names each request's X-Request-Id (middleware.py)
     config = uvicorn.Config(create_app(state), log_level=settings.log_level, access_log=False,
                             log_config=_log_config(settings.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
     server = GracefulServer(config, state, grace_seconds=settings.shutdown_grace)
@@ -181,7 +181,7 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
 
     folder = Path(settings.model)
     task = read_task(folder)
-    model = loader.load(settings.model)  # compiled in the background once serving (fast_start.py)
+    model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
     vocab_size = model.config.vocab_size
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
@@ -211,7 +211,7 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
 
 
 def _background_compile(settings: ServerSettings, loader: ModelLoader, worker, adapters: tuple[str, ...]):
-    """The compiled step, built while the eager one answers (fast_start.py); None when the step stays eager."""
+    """The compiled step, built while the eager one answers (lifecycle.py); None when the step stays eager."""
     if adapters:
         print("dgemma serve: LoRA adapters run on the eager step", file=sys.stderr)
         return None
@@ -220,7 +220,7 @@ def _background_compile(settings: ServerSettings, loader: ModelLoader, worker, a
     mode = loader.compile_mode(worker.model)
     if mode is None:
         return None
-    from dgemma.serving.fast_start import BackgroundCompile
+    from dgemma.serving.lifecycle import BackgroundCompile
 
     background = BackgroundCompile(worker, mode)
     worker.between_steps = background.between_steps
@@ -229,16 +229,28 @@ def _background_compile(settings: ServerSettings, loader: ModelLoader, worker, a
 
 
 def _load_adapters(settings: ServerSettings, model) -> tuple[str, ...]:
-    """--lora NAME=PATH: each adapter read and installed on the model (adapters.py); a StartupError for one
-    that does not fit it."""
+    """--lora NAME=PATH (repeatable): each adapter, a PEFT folder (`dgemma train --lora` writes one as
+    RUN/adapter), read and installed on the model; the engine then runs every request in one batch, each row
+    with its own adapter (dgemma.model.adapters.RowLoRALinear), and a request's `model` field picks it by NAME.
+    A StartupError (one line) for a malformed flag, a name served twice, or an adapter that does not fit."""
     if not settings.lora:
         return ()
-    from dgemma.serving.adapters import load_adapters, parse_lora_flags
+    from dgemma.model.adapters import AdapterError, install_adapters, read_peft_adapter
 
+    flags: list[tuple[str, Path]] = []
+    for value in settings.lora:
+        name, sep, path = value.partition("=")
+        name = name.strip()
+        if not sep or not name or not path:
+            raise StartupError(f"--lora {value!r}: expected NAME=PATH")
+        if name == settings.served_name or name in {n for n, _ in flags}:
+            raise StartupError(f"--lora {name!r}: the name is already served")
+        flags.append((name, Path(path)))
     try:
-        return load_adapters(model, parse_lora_flags(list(settings.lora), settings.served_name))
-    except ValueError as e:
-        raise StartupError(str(e)) from None
+        install_adapters(model, [read_peft_adapter(name, path) for name, path in flags])
+    except (AdapterError, OSError, KeyError, ValueError) as e:
+        raise StartupError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    return tuple(name for name, _ in flags)
 
 
 def _prebuild_json_object(codec):
