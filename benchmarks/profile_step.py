@@ -18,6 +18,7 @@ import time
 import torch
 
 import dgemma
+from dgemma import devices
 from dgemma.engine import Engine
 from dgemma.engine.allocator import keep_freed_memory
 from dgemma.generation.canvas import positions_needed
@@ -56,7 +57,7 @@ def main():
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # a record per inductor kernel (its own cache key)
-    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dtype = torch.bfloat16 if devices.native_bf16("cpu") else torch.float32
     model = random_model(dgemma.get_preset(args.preset), device="cpu", dtype=dtype, seed=args.seed)
     c = model.config
     sampling = model.sampling_config.replace(max_new_tokens=CANVAS_TOKENS, max_denoising_steps=STEPS,

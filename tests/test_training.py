@@ -165,18 +165,16 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
 def test_precision_auto_takes_bf16_only_where_the_cpu_multiplies_it(tmp_path, monkeypatch, capsys):
     """--precision auto: bf16 autocast where the device multiplies bf16 natively, fp32 elsewhere (an AVX2
     CPU emulates bf16 several times slower); an explicit bf16 there runs, after one warning line."""
-    from dgemma.training import loop
+    from dgemma import devices
     from dgemma.training.model_setup import resolve_precision
 
     cpu = torch.device("cpu")
     assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", cpu) == ("bf16" if devices.native_bf16(cpu) else "fp32")
     short = dict(steps=1, log_every=1, save_every=1, compile=False)
     for has_bf16, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"),
                                   (False, "bf16", "bf16 autocast")]:
-        monkeypatch.setattr(loop, "native_bf16", lambda device, has=has_bf16: has)
-        monkeypatch.setattr("dgemma.training.model_setup.native_bf16", lambda device, has=has_bf16: has)
+        monkeypatch.setattr(devices, "native_bf16", lambda device, has=has_bf16: has)
         train(task_config(tmp_path, f"{has_bf16}-{asked}", precision=asked, **short))
         err = capsys.readouterr().err
         assert f"on cpu, eager (--eager), {runs}" in err

@@ -61,17 +61,15 @@ def add_arguments(p):
 
 
 def _resolve(args):
+    """--device, and --dtype auto: bf16 wherever the device multiplies it natively (`dgemma.devices`)."""
     import torch
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
+    from dgemma import devices
+
+    device = devices.resolve_device(args.device)
     if args.dtype == "auto":
-        native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        dtype = torch.bfloat16 if native_bf16 else torch.float32
-    else:
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    return device, dtype
+        return device, torch.bfloat16 if devices.native_bf16(device) else torch.float32
+    return device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
 def run(args):

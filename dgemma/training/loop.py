@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dgemma import devices
 from dgemma.config import ConfigError
 from dgemma.model.compilation import CPU_EAGER_ABOVE_PARAMS
 from dgemma.training import distributed as D
@@ -35,7 +36,6 @@ from dgemma.training.model_setup import (
     base_dtype,
     compile_for_training,
     configure_trainable,
-    native_bf16,
     resolve_model_config,
     resolve_precision,
 )
@@ -233,7 +233,7 @@ def _resolved_precision(config: TrainConfig, env: D.DistEnv, say) -> TrainConfig
     """--precision auto -> fp32 or bf16 for this device (before the resume check, which then compares like
     with like); bf16 asked for on a device without fast bf16 runs, after one warning line."""
     config = replace(config, precision=resolve_precision(config.precision, env.device))
-    if "bf16" in (config.precision, config.mixed_precision) and not native_bf16(env.device):
+    if "bf16" in (config.precision, config.mixed_precision) and not devices.native_bf16(env.device):
         say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
             "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
             "(--precision auto picks fp32 here)")
