@@ -157,7 +157,7 @@ def run(args):
         _startup_table(startup)
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
-    result["cpu_int8_compute"] = getattr(model, "integer_compute_on", False)
+    result["cpu_int8_compute"] = model.integer_compute_on
     result["startup"] = startup
     if tokens_check is not None:
         result["tokens_check"] = tokens_check

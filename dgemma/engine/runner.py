@@ -56,7 +56,7 @@ class Runner:
 
     def _adapters(self, rows: list[int]):
         """While a forward over `rows` runs: each row's adapter, for a model that serves adapters."""
-        holder = getattr(self.model, "adapter_rows", None)
+        holder = self.model.adapter_rows
         if holder is None:
             return contextlib.nullcontext()
         return holder.set(to_device([self.row_adapter[r] for r in rows], torch.long, self.device))

@@ -51,7 +51,7 @@ def resolve(mode: str, model: nn.Module) -> bool:
     (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
     if mode not in MODES:
         raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "off" or not getattr(model, "quantization", None):
+    if mode == "off" or not model.quantization:
         return False
     if model.device.type != "cpu":
         if mode == "on":
@@ -204,7 +204,7 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load."""
     if not resolve(mode, model):
         return False
-    if getattr(model, "integer_compute_on", False):
+    if model.integer_compute_on:
         return True
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -34,6 +36,10 @@ from dgemma.model.compilation import FusedLinears, fused_inside_graphs
 from dgemma.model.experts import Experts
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
+
+if TYPE_CHECKING:
+    from dgemma.model.adapters import AdapterRows
+    from dgemma.model.int8_compute import Int8Table
 
 
 # The eager LM head writes its fp32 logits a block of positions at a time (see `DiffusionGemma.head`), and
@@ -220,10 +226,19 @@ class DiffusionGemma(nn.Module):
         self.sampling_config = sampling_config or SamplingConfig(
             eos_token_ids=(config.eos_token_id,), pad_token_id=config.pad_token_id
         )
-        self.hf_config: dict | None = None  # the config.json we were loaded from, kept for saving
+        # what loading (dgemma.model.checkpoint) records: the config.json and generation_config.json read
+        # (kept for saving), the folder (its tokenizer files are saved along), every checkpoint key's fate
+        self.hf_config: dict | None = None
         self.hf_generation_config: dict | None = None
+        self.source_dir: str | Path | None = None
+        self.load_report: dict[str, str] | None = None
         self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.model.quant
-        self.int8_table = None  # the table's int8 codes once integer compute is on (dgemma.model.int8_compute)
+        # integer compute (dgemma.model.int8_compute.enable): whether it is on, and the tied table's int8 codes
+        # (LM head, soft embedding) when the table is large enough to repay them
+        self.integer_compute_on = False
+        self.int8_table: Int8Table | None = None
+        # served LoRA adapters (dgemma.model.adapters.install_adapters): the adapter of each row of a forward
+        self.adapter_rows: AdapterRows | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

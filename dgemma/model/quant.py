@@ -295,7 +295,7 @@ def cpu_int4_kernel_applies(model: nn.Module, device: torch.device | None = None
     """Whether `use_cpu_int4_kernel` applies: an int4 model in bf16 on a CPU (its device and dtype, or those
     given for a model still on the meta device)."""
     device, dtype = device or model.device, dtype or model.dtype
-    return (getattr(model, "quantization", None) in ("int4", None) and device.type == "cpu"
+    return (model.quantization in ("int4", None) and device.type == "cpu"
             and dtype == torch.bfloat16 and devices.has_cpu_int4_kernel())
 
 
