@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma import devices
-from dgemma.model import int8_compute, quant
+from dgemma.model import PreviousStep, int8_compute, quant
 from dgemma.model.random_weights import random_model
 
 
@@ -80,7 +80,7 @@ def step(args) -> dict:
 
     @torch.no_grad()
     def denoise(name, model):
-        return lambda: model.denoise(canvas, caches[name], self_conditioning_probs=probs)
+        return lambda: model.denoise(canvas, caches[name], self_conditioning=PreviousStep(probs=probs))
 
     @torch.no_grad()
     def ar_token(name, model):

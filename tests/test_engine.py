@@ -11,6 +11,7 @@ import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, QueueFull, Request
 from dgemma.generation import CanvasTemplate, generate
+from dgemma.model import PreviousStep
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +188,9 @@ def test_compiled_decoder_gives_the_same_tokens(model):
         model.encode(prompt, cache_a, return_logits=False)
         compiled.encode(prompt, cache_b, return_logits=False)
         soft = torch.randn(1, model.config.canvas_length, model.config.hidden_size)
-        torch.testing.assert_close(compiled.denoise(canvas, cache_b, soft_embedding=soft),
-                                   model.denoise(canvas, cache_a, soft_embedding=soft), rtol=1e-4, atol=1e-4)
+        previous = PreviousStep(embedding=soft)
+        torch.testing.assert_close(compiled.denoise(canvas, cache_b, self_conditioning=previous),
+                                   model.denoise(canvas, cache_a, self_conditioning=previous), rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_quantised_decoder_gives_the_same_tokens(model):

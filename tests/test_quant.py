@@ -15,7 +15,7 @@ import dgemma
 from dgemma import devices
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
-from dgemma.model import CheckpointError, int8_compute, quant
+from dgemma.model import CheckpointError, PreviousStep, int8_compute, quant
 from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
                                 use_cpu_int4_kernel, weight_bytes)
 from dgemma.training.weights import meta_model
@@ -35,8 +35,9 @@ def test_round_trip_error_is_bounded(fmt, tol):
 def _logits(model, ids, canvas):
     cache = model.new_cache(ids.shape[0], 128)
     model.encode(ids, cache, return_logits=False)
-    return model.denoise(canvas, cache, torch.randn(canvas.shape[0], canvas.shape[1], model.config.vocab_size,
-                                                    generator=torch.Generator().manual_seed(3)))
+    previous = torch.randn(canvas.shape[0], canvas.shape[1], model.config.vocab_size,
+                           generator=torch.Generator().manual_seed(3))
+    return model.denoise(canvas, cache, self_conditioning=PreviousStep.from_logits(previous))
 
 
 def _briefly_trained_tiny_model(steps=500):
@@ -236,7 +237,7 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
         cache = model.new_cache(8, 64)
         encoded, step = model.encode(seq[:, :8], cache), model.denoise(noisy, cache)
         probs = step.softmax(-1) if probs is None else probs  # both fed the float model's last step
-        fed = model.denoise(noisy, cache, self_conditioning_probs=probs)
+        fed = model.denoise(noisy, cache, self_conditioning=PreviousStep(probs=probs))
         outputs.append(torch.cat([encoded, step, fed], dim=1).float().flatten(0, 1))  # 320 positions
     cos = F.cosine_similarity(*outputs, dim=-1)
     agree = (outputs[0].argmax(-1) == outputs[1].argmax(-1)).float().mean()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import dgemma
 from dgemma.cli import main as cli_main
 from dgemma.config import ConfigError
+from dgemma.model import PreviousStep
 from dgemma.training import TrainConfig, learning_rate, train
 from dgemma.training.data import DataError, Example, TextEncoder, collate, load_jsonl
 from dgemma.training.lora import apply_lora
@@ -113,7 +114,7 @@ def test_diffusion_loss_equals_a_by_hand_generation_style_computation():
             model.encode(row[None, :start], cache)
             logits = model.denoise(noisy[None], cache)
             if noise.self_condition[b]:
-                logits = model.denoise(noisy[None], cache, logits)
+                logits = model.denoise(noisy[None], cache, self_conditioning=PreviousStep.from_logits(logits))
             diff = F.cross_entropy(logits[0], clean)
             enc = model.encode(row[None], model.new_cache(1, 128))[0]
             targets = batch.ar_targets[b, : len(row)].nonzero().squeeze(1)

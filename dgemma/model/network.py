@@ -11,6 +11,7 @@ Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V voca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -217,6 +218,28 @@ class SelfConditioning(GatedMLP):
         if soft is None:  # first step: the signal is exactly zero and so is the MLP of zero
             return self.post_norm(embeds)
         return self.post_norm(embeds + super().forward(self.pre_norm(soft)))
+
+
+@dataclass(frozen=True)
+class PreviousStep:
+    """What self-conditioning feeds the decoder: its prediction at the previous step on this canvas, as
+    softmax(logits / T) `probs` (B, L, V), what the sampler leaves in its logits buffer, or as their expected
+    embedding `embedding` (B, L, H), made with `DiffusionGemma.soft_embedding_from_probs` (an engine keeps that
+    and lets the (B, L, V) buffer go). `mask` (B,) bool: rows where False get no signal (training draws it per
+    row, as transformers' self_conditioning_mask)."""
+
+    probs: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.probs is None) == (self.embedding is None):
+            raise ValueError("PreviousStep holds the probabilities or their embedding: exactly one of them")
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, mask: torch.Tensor | None = None) -> PreviousStep:
+        """From the previous step's (temperature-scaled) logits (B, L, V)."""
+        return cls(probs=logits.softmax(dim=-1, dtype=torch.float32), mask=mask)
 
 
 class DiffusionGemma(nn.Module):
@@ -442,12 +465,9 @@ class DiffusionGemma(nn.Module):
         return x, entries
 
     # -- decoder: bidirectional over the canvas, reads the cache -----------------------------
-    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """Previous step's logits (B, L, V) -> expected embedding (B, L, H), scaled like token embeddings."""
-        return self.soft_embedding_from_probs(sc_logits.softmax(dim=-1, dtype=torch.float32))
-
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
-        """softmax(previous logits) (B, L, V), as the sampler leaves it -> (B, L, H)."""
+        """softmax(previous logits) (B, L, V), as the sampler leaves it -> expected embedding (B, L, H), scaled
+        like token embeddings."""
         if self.int8_table is not None and not torch.is_grad_enabled():
             return self.int8_table.soft_embedding(probs, self.dtype) * self.embed_scale()
         return (probs.to(self.dtype) @ self.embed_tokens.weight) * self.embed_scale()
@@ -456,21 +476,15 @@ class DiffusionGemma(nn.Module):
         self,
         canvas_ids: torch.Tensor,
         cache: KVCache,
-        self_conditioning_logits: torch.Tensor | None = None,
         *,
-        self_conditioning_probs: torch.Tensor | None = None,
-        self_conditioning_mask: torch.Tensor | None = None,
-        soft_embedding: torch.Tensor | None = None,
+        self_conditioning: PreviousStep | None = None,
         prefix_length: torch.Tensor | None = None,
         rows: list[int] | torch.Tensor | None = None,
         return_hidden: bool = False,
     ):
         """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
-
-        Self-conditioning comes as the previous (temperature-scaled) logits, as their softmax (what
-        `sampler_step` leaves in its buffer), or, to spare a (B, L, V) buffer, as the `soft_embedding`
-        (B, L, H) made earlier with `soft_embedding()` / `soft_embedding_from_probs()`.
-        """
+        `self_conditioning`: the previous step's prediction on this canvas (`PreviousStep`); None at its first
+        step, which is an exactly zero signal."""
         B, L = canvas_ids.shape
         if prefix_length is None:  # generation: the same tables for every step of a canvas
             rope, key_rope, masks = cache.tables_for_positions(
@@ -478,13 +492,12 @@ class DiffusionGemma(nn.Module):
         else:
             rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
 
-        soft = soft_embedding
-        if self_conditioning_logits is not None:
-            soft = self.soft_embedding(self_conditioning_logits)
-        elif self_conditioning_probs is not None:
-            soft = self.soft_embedding_from_probs(self_conditioning_probs)
-        if soft is not None and self_conditioning_mask is not None:
-            soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        soft = None  # (B, L, H)
+        if self_conditioning is not None:
+            previous = self_conditioning
+            soft = previous.embedding if previous.probs is None else self.soft_embedding_from_probs(previous.probs)
+            if previous.mask is not None:
+                soft = soft * previous.mask.to(soft.dtype)[:, None, None]
         if cache.canvas_slots == L and not torch.is_grad_enabled():
             # generation: the canvas goes into the cache's reserved slots, through the compiled step
             # when `compile_decoder` was called. A zero signal gives exactly what no signal gives (the
