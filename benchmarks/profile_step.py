@@ -64,7 +64,7 @@ def main():
                                              fixed_steps=True, eos_token_ids=(c.vocab_size + 1,), seed=args.seed)
     prompts = torch.randint(3, c.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(args.seed)).tolist()
     if not args.eager:
-        model.compile_decoder(args.mode)
+        dgemma.compile_model(model, args.mode)
     engine = Engine(model, max_batch=1, max_length=positions_needed(PROMPT, CANVAS_TOKENS, c.canvas_length))
     phases = {"decoder forward": (engine.runner, "denoise"), "sampler scan": (engine, "scan"),
               "self-conditioning embedding": (engine.runner, "soft_embedding"),

@@ -147,9 +147,11 @@ def compile_mode(args, model) -> str:
 
 
 def maybe_compile(args, model):
-    """`model.compile_decoder()` when the policy says so (see `wants_compile`); the model either way."""
+    """`compile_model(model)` when the policy says so (see `wants_compile`); the model either way."""
+    from dgemma.model.compilation import compile_model
+
     if wants_compile(args, model):
-        model.compile_decoder(compile_mode(args, model))
+        compile_model(model, compile_mode(args, model))
     return model
 
 

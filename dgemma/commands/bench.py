@@ -77,6 +77,7 @@ def run(args):
 
     from dgemma.commands import bench_timing as timing
     from dgemma.generation.canvas import positions_needed
+    from dgemma.model.compilation import compile_model, is_compiled
 
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
@@ -131,7 +132,7 @@ def run(args):
         ([("compiled", "engine-compiled")] if compiling else [])
     for group, engine_system in groups:
         if group == "compiled":  # after every eager run: compiling swaps the model's decoder for good
-            model.compile_decoder(compile_mode(args, model))
+            compile_model(model, compile_mode(args, model))
         for batch, prompts in prompts_by_batch.items():  # the same prompts in every group
             systems = compared(engine_system, batch, prompts)
             rows += [timed.measurement(group) for timed in systems]
@@ -141,7 +142,7 @@ def run(args):
                 adaptive_run.run(0)
                 rows.append(adaptive_run.measurement(group))
             print(f"  batch {batch} {group} done", file=sys.stderr)
-    compiled_ran = compiling and model.decoder_compiled
+    compiled_ran = compiling and is_compiled(model)
     if compiling and not compiled_ran:  # compiling was unavailable or failed (warned): those runs were eager
         rows, budgets = _as_eager(rows, budgets)
     hf = None  # free transformers' copy of the weights before the token check and start-up runs
