@@ -132,21 +132,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         f"{env.world_size} process(es) on {env.device.type}, "
         f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}, {numerics}")
 
-    if env.is_main and importlib.util.find_spec("matplotlib") is None:
-        say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
-    metrics = MetricsLog(out / "metrics.jsonl")
-    start_step = 0
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_partial_writes(out)
-    if saved is not None:
-        load_checkpoint(latest, env=env, model=model, optimizer=optimizer, lora=config.lora)
-        start_step = saved["step"]
-        say(f"resumed from {latest} (step {start_step})")
-    if env.is_main:
-        metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
-    D.barrier(env)
-
+    metrics, start_step = _open_run(config, env, out, model, optimizer, latest, saved, say)
     G = config.batch_size
     floor = config.min_lr if config.min_lr is not None else config.lr / 10
     stream = ExampleStream(len(dataset), config.seed)
@@ -202,17 +188,46 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         progress.close()
 
     seconds = time.perf_counter() - t0
-    if env.is_main:  # the last step always writes a checkpoint; one process streams it out (no gathering)
-        export_checkpoint(checkpoint_dir(out, stop), out / "model")
-        if config.lora:  # the adapter alone too, as PEFT writes it: served by name (dgemma serve --lora)
-            export_adapter(checkpoint_dir(out, stop), out / "adapter")
-        plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
-        say(f"done: {out / 'model'}")
-    records = metrics.read() if env.is_main else []
+    records = _export(config, env, out, stop, metrics, say)
     if records:
         last_loss = records[-1]["loss"]
     ran = max(stop - start_step, 0)
     return TrainResult(stop, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))
+
+
+def _open_run(config: TrainConfig, env: D.DistEnv, out: Path, model, optimizer, latest, saved, say):
+    """The run's folder made ready: created (what a killed run left half written removed), the checkpoint
+    to resume from loaded into the model and optimizer, and the metrics log cut back to it. Returns (the
+    metrics log, the first step to run)."""
+    if env.is_main and importlib.util.find_spec("matplotlib") is None:
+        say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start_step = 0
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(out)
+    if saved is not None:
+        load_checkpoint(latest, env=env, model=model, optimizer=optimizer, lora=config.lora)
+        start_step = saved["step"]
+        say(f"resumed from {latest} (step {start_step})")
+    if env.is_main:
+        metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
+    D.barrier(env)
+    return metrics, start_step
+
+
+def _export(config: TrainConfig, env: D.DistEnv, out: Path, stop: int, metrics: MetricsLog, say) -> list[dict]:
+    """The run's end: its last checkpoint (the last step always writes one) streamed out as a Hugging Face
+    folder, OUT/model, by one process (no gathering), a LoRA run's adapter alone too, the final loss plot.
+    Returns the logged records (on the main process; none elsewhere)."""
+    if not env.is_main:
+        return []
+    export_checkpoint(checkpoint_dir(out, stop), out / "model")
+    if config.lora:  # the adapter alone too, as PEFT writes it: served by name (dgemma serve --lora)
+        export_adapter(checkpoint_dir(out, stop), out / "adapter")
+    plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
+    say(f"done: {out / 'model'}")
+    return metrics.read()
 
 
 def _resume_point(config: TrainConfig, out: Path, say):
