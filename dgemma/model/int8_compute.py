@@ -24,11 +24,10 @@ Attention itself, norms and the router stay in floating point.
 
 from __future__ import annotations
 
-import functools
-import platform
-
 import torch
 from torch import nn
+
+from dgemma import devices
 
 MODES = ("auto", "on", "off")
 
@@ -47,31 +46,18 @@ MAX_EXACT_K = 1 << 17
 MIN_TABLE_ENTRIES = 1 << 24
 
 
-@functools.cache
-def cpu_has_int8_dot() -> bool:
-    """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
-
-
 def resolve(mode: str, model: nn.Module) -> bool:
     """Whether integer compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
     (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
     if mode not in MODES:
         raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "off" or not getattr(model, "quantization", None):
+    if mode == "off" or not model.quantization:
         return False
     if model.device.type != "cpu":
         if mode == "on":
             raise ValueError("int8 compute is a CPU path; this model is on " + model.device.type)
         return False
-    return mode == "on" or cpu_has_int8_dot()
+    return mode == "on" or devices.cpu_has_int8_dot()
 
 
 def quantize_rows(x: torch.Tensor):
@@ -218,7 +204,7 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load."""
     if not resolve(mode, model):
         return False
-    if getattr(model, "integer_compute_on", False):
+    if model.integer_compute_on:
         return True
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):
@@ -232,19 +218,13 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
     return True
 
 
-def kernel_layout_widens(rows: int) -> bool:
-    """Whether the widener reads torch's CPU int4 kernel layout of a weight with `rows` output rows: whole
-    blocks of 64 rows, as torch packs them on an AVX-512 CPU (on AVX2 it packs another way)."""
-    return rows % 64 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):
     """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener, or None
     where the int4 kernel's layout is not the one the widener reads (the int4 path then runs)."""
     q, scales = getattr(module, codes_name), getattr(module, scales_name)
     if module.fmt == "int8":
         return to_channel_scales(q, scales)
-    if module.kernel_layout and not kernel_layout_widens(q.shape[-2]):
+    if module.kernel_layout and not devices.int4_kernel_layout_known(q.shape[-2]):
         return None
     return Int4Widener(scales, bool(module.kernel_layout))
 

@@ -32,6 +32,7 @@ from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from dgemma.chat.codec import PromptError
+from dgemma.model.compilation import is_compiled
 from dgemma.serving import openapi
 from dgemma.serving import responses as bodies
 from dgemma.serving.completions import echo_only, generate, score, tool_constraint
@@ -204,7 +205,7 @@ def _add_metrics(app: FastAPI, state: ServerState):
 def _step_kind(state: ServerState) -> str:
     if state.step_kind is not None:
         return state.step_kind()
-    return "compiled" if state.worker.model.decoder_compiled else "eager"
+    return "compiled" if is_compiled(state.worker.model) else "eager"
 
 
 def _version() -> str:

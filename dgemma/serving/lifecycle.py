@@ -6,10 +6,10 @@ Fast start
 The server answers with the eager step from its first second while the compiled step is built and warmed up
 on a thread of its own, then the engine thread switches to it between two steps.
 
-  listening ──► eager steps ───────────────────────────────┬──► compiled steps
-  thread "dgemma-compile": compile_decoder(background=True) │
-                           warm-up engine (its own cache) ──┘ ready: release_compiled(), the engine's
-                                                              sampler scan becomes the warmed one
+  listening ──► eager steps ──────────────────────────────────────┬──► compiled steps
+  thread "dgemma-compile": compile_model(model, background=True)  │
+                           warm-up engine (its own cache) ────────┘ ready: release_compiled(model), the
+                                                                    engine's sampler scan becomes the warmed one
 
 The compiled functions run only on the compile thread until released (`dgemma.model.compilation`), and after
 the switch dynamo's stance is "eager_on_recompile": a call whose shapes the warm-up did not compile runs
@@ -51,6 +51,7 @@ import uvicorn
 
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
+from dgemma.model.compilation import compile_model, is_compiled, release_compiled
 from dgemma.serving.state import ServerState
 
 log = logging.getLogger("dgemma.serve")
@@ -100,11 +101,11 @@ class BackgroundCompile:
         start = time.perf_counter()
         model = self.worker.model
         try:
-            model.compile_decoder(self.mode, background=True)
-            if model.decoder_compiled:
+            compile_model(model, self.mode, background=True)
+            if is_compiled(model):
                 warm = Engine(model, max_batch=self.worker.max_batch, max_length=self.worker.max_length)
                 serving_warm_up(warm)
-                if model.decoder_compiled:  # still: a failure during the warm-up turns it off
+                if is_compiled(model):  # still: a failure during the warm-up turns it off
                     self._ready_scan = warm.scan
                 del warm  # its cache
         except Exception as e:  # the server goes on eagerly
@@ -119,7 +120,7 @@ class BackgroundCompile:
         if self._switched or self._ready_scan is None:
             return
         model = self.worker.model
-        model.release_compiled()
+        release_compiled(model)
         # shapes the warm-up did not compile run eagerly from now on: a compile here would stop every request
         # for seconds to minutes (dynamo recompiles for a new batch size, prefix layout or mask pattern)
         torch.compiler.set_stance("eager_on_recompile")

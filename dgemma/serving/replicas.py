@@ -56,13 +56,11 @@ def plan_replicas(settings: ServerSettings, local: bool) -> ReplicaPlan:
 def _gpus_per_replica(settings: ServerSettings) -> float:
     if settings.gpus_per_replica is not None:
         return settings.gpus_per_replica
+    from dgemma import devices
+
     if settings.device.startswith("cuda"):
         return 1
-    if settings.device == "auto":
-        import torch
-
-        return 1 if torch.cuda.is_available() else 0
-    return 0
+    return 1 if settings.device == "auto" and devices.cuda_available() else 0
 
 
 def build_replica_state(settings: ServerSettings, loader: ModelLoader):
