@@ -23,7 +23,7 @@ import time
 import torch
 
 import dgemma
-from dgemma.model import int8_compute, quant
+from dgemma.model import PreviousStep, int8_compute, quant
 from dgemma.model.random_weights import random_model
 
 
@@ -66,7 +66,7 @@ def main():
         out["ar_token_s"] = min(ar)
         canvas = torch.randint(3, c.vocab_size, (1, c.canvas_length), generator=g)
         probs = torch.randn(1, c.canvas_length, c.vocab_size, generator=g).mul_(3).softmax(-1)
-        out["denoise_step_s"] = timed(lambda: model.denoise(canvas, cache, self_conditioning_probs=probs))
+        out["denoise_step_s"] = timed(lambda: model.denoise(canvas, cache, self_conditioning=PreviousStep(probs=probs)))
         x = torch.randn(1, c.canvas_length, c.hidden_size, dtype=torch.bfloat16, generator=g)
         flat = x[0]
         sliding, full = model.layers[c.layer_types.index("sliding_attention")], model.layers[c.layer_types.index("full_attention")]

@@ -42,6 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dgemma import devices
 from dgemma.model import int8_compute, quant
 
 GROUP = quant.GROUP_SIZE["int4"]
@@ -81,7 +82,7 @@ class TorchInt8:
 
     def prepare(self, q, scales, dense):
         packed, scale_zeros = quant._to_kernel_layout(q, scales, torch.bfloat16)
-        if not int8_compute.kernel_layout_widens(packed.shape[0]):
+        if not devices.int4_kernel_layout_known(packed.shape[0]):
             widener = int8_compute.Int4Widener(scales, kernel=False)
             return lambda x: int8_compute.int8_matmul(x, widener.widen(q), widener.channel())
         widener = int8_compute.Int4Widener(scale_zeros, kernel=True)
@@ -432,8 +433,8 @@ def main():
     args.only = [o for o in args.only.split(",") if o]
     torch.set_num_threads(args.threads)
     out = {"threads": args.threads, "repeats": args.repeats, "load_before": os.getloadavg(),
-           "int8_dot_products": int8_compute.cpu_has_int8_dot(), "torch": torch.__version__,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "versions": versions()}
+           "int8_dot_products": devices.cpu_has_int8_dot(), "torch": torch.__version__,
+           "cpu_capability": devices.cpu_capability(), "versions": versions()}
     print(f"{args.threads} threads, load average {out['load_before'][0]:.2f}; {out['versions']}", flush=True)
     rows, skipped = measure(args)
     if args.moe:

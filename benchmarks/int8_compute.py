@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.model import int8_compute, quant
+from dgemma import devices
+from dgemma.model import PreviousStep, int8_compute, quant
 from dgemma.model.random_weights import random_model
 
 
@@ -79,7 +80,7 @@ def step(args) -> dict:
 
     @torch.no_grad()
     def denoise(name, model):
-        return lambda: model.denoise(canvas, caches[name], self_conditioning_probs=probs)
+        return lambda: model.denoise(canvas, caches[name], self_conditioning=PreviousStep(probs=probs))
 
     @torch.no_grad()
     def ar_token(name, model):
@@ -153,7 +154,7 @@ def main():
     args = p.parse_args()
     args.preset = args.preset or ("diffusiongemma-26b-a4b" if args.what == "layers" else "bench-20m")
     out = {"what": args.what, "preset": args.preset, "threads": torch.get_num_threads(),
-           "int8_dot_products": int8_compute.cpu_has_int8_dot()}
+           "int8_dot_products": devices.cpu_has_int8_dot()}
     out.update({"threshold": threshold, "step": step, "layers": layers}[args.what](args))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))

@@ -18,6 +18,7 @@ import time
 import torch
 
 import dgemma
+from dgemma import devices
 from dgemma.engine import Engine
 from dgemma.engine.allocator import keep_freed_memory
 from dgemma.generation.canvas import positions_needed
@@ -56,14 +57,14 @@ def main():
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # a record per inductor kernel (its own cache key)
-    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dtype = torch.bfloat16 if devices.native_bf16("cpu") else torch.float32
     model = random_model(dgemma.get_preset(args.preset), device="cpu", dtype=dtype, seed=args.seed)
     c = model.config
     sampling = model.sampling_config.replace(max_new_tokens=CANVAS_TOKENS, max_denoising_steps=STEPS,
                                              fixed_steps=True, eos_token_ids=(c.vocab_size + 1,), seed=args.seed)
     prompts = torch.randint(3, c.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(args.seed)).tolist()
     if not args.eager:
-        model.compile_decoder(args.mode)
+        dgemma.compile_model(model, args.mode)
     engine = Engine(model, max_batch=1, max_length=positions_needed(PROMPT, CANVAS_TOKENS, c.canvas_length))
     phases = {"decoder forward": (engine.runner, "denoise"), "sampler scan": (engine, "scan"),
               "self-conditioning embedding": (engine.runner, "soft_embedding"),

@@ -4,12 +4,13 @@ from dgemma.config import PRESETS, ConfigError, ModelConfig, SamplingConfig, get
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "load_model", "save_pretrained", "DiffusionGemma"]
+__all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "load_model", "save_pretrained", "compile_model",
+           "DiffusionGemma", "PreviousStep"]
 
 
 def __getattr__(name):
     # Lazy so that `import dgemma` (and `dgemma --help`) stays fast and torch-free until needed.
-    if name in ("load_model", "save_pretrained", "DiffusionGemma", "KVCache"):
+    if name in ("load_model", "save_pretrained", "compile_model", "DiffusionGemma", "KVCache", "PreviousStep"):
         from dgemma import model
 
         return getattr(model, name)

@@ -56,11 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.config import ConfigError
+    from dgemma.devices import DeviceError
     from dgemma.model.checkpoint import CheckpointError
     from dgemma.model.parallel import SplitError
     from dgemma.tokenizer import TokenizerError
 
-    return (UsageError, ConfigError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
+    return (UsageError, ConfigError, DeviceError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
             IsADirectoryError, PermissionError)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -45,6 +46,16 @@ TINY_TEXT_CONFIGS = {
 }
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+
+
+def wait_until(condition, timeout: float, what: str):
+    """Poll `condition()` until it holds; an AssertionError naming `what` once `timeout` seconds have passed.
+    For an event another process or thread makes: a test waits for the event itself, never a guessed time."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

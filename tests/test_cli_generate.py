@@ -176,11 +176,12 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
     import torch
 
     import dgemma as lib
+    from dgemma import devices
     from dgemma.commands._common import resolve_device_dtype
 
     wide = tmp_path / "wide"
     lib.save_pretrained(lib.DiffusionGemma(lib.get_preset("tiny").replace(hidden_size=256)), wide)
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = devices.native_bf16("cpu")
 
     def dtype(model, given=None):
         return resolve_device_dtype(argparse.Namespace(device="cpu", dtype=given, model=str(model)))[1]

@@ -80,17 +80,17 @@ def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, 
     torch._dynamo.reset()  # no compiled code of other tests' models
     no_compiler = torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")})
     with no_compiler, temporary_cache_dir(str(tmp_path)):  # an empty cache: inductor needs its compiler
-        refused = copy.deepcopy(model).compile_decoder()
-        assert not refused.decoder_compiled
+        refused = compilation.compile_model(copy.deepcopy(model))
+        assert not compilation.is_compiled(refused)
         assert [r.tokens for r in Engine(refused, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "C++" in err[0], err
 
         monkeypatch.setattr(compilation, "unavailable_reason", lambda device: None)
-        failing = copy.deepcopy(model).compile_decoder()
-        assert failing.decoder_compiled  # compiles lazily, at the first step
+        failing = compilation.compile_model(copy.deepcopy(model))
+        assert compilation.is_compiled(failing)  # compiles lazily, at the first step
         assert [r.tokens for r in Engine(failing, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
-        assert not failing.decoder_compiled
+        assert not compilation.is_compiled(failing)
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "failed" in err[0], err
         assert not compilation.is_warm(failing)

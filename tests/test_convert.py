@@ -18,7 +18,7 @@ import torch
 import dgemma
 from dgemma.cli import main as dgemma_main
 from dgemma.model.convert import convert_gemma4
-from dgemma.model import CheckpointError
+from dgemma.model import CheckpointError, PreviousStep
 from tests.conftest import perturb_every_tensor
 
 TOL = 1e-4
@@ -213,7 +213,8 @@ def test_converted_encoder_matches_gemma4_and_decoder_matches_transformers(tmp_p
     # self-conditioning starts as an exact no-op: any previous logits give the same decoder output
     with torch.no_grad():
         plain = ours.denoise(canvas, cache)
-        conditioned = ours.denoise(canvas, cache, torch.randn(2, 16, V, generator=g) * 5)
+        previous = PreviousStep.from_logits(torch.randn(2, 16, V, generator=g) * 5)
+        conditioned = ours.denoise(canvas, cache, self_conditioning=previous)
     assert torch.equal(plain, conditioned)
     assert ours.config.canvas_length == 16
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
+from dgemma import devices
 from dgemma.model import int8_compute, kernels, openvino_experts, quant
 from dgemma.model.quant import quantize_model, use_cpu_int4_kernel
 
@@ -30,7 +31,7 @@ def _tiny_int4(dtype, seed=0):
 def test_codes_are_handed_over_as_signed_nibbles(kernel):
     """Whichever layout the module holds (dgemma's, or torch's int4 kernel's as AVX-512 packs it), OpenVINO gets
     (N, K/2) bytes: column 2c in the low nibble, 2c + 1 in the high one, the signed value in two's complement."""
-    if kernel and not int8_compute.kernel_layout_widens(128):
+    if kernel and not devices.int4_kernel_layout_known(128):
         pytest.skip("torch packs its int4 kernel's layout this way on AVX-512 CPUs only")
     w = torch.randn(128, 96) * 0.02
     q, scales = quant.quantize_tensor(w, "int4")

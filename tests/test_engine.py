@@ -11,6 +11,7 @@ import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, QueueFull, Request
 from dgemma.generation import CanvasTemplate, generate
+from dgemma.model import PreviousStep
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_request_too_long_is_refused(model):
 
 
 def test_compiled_decoder_gives_the_same_tokens(model):
-    """`compile_decoder` (torch.compile of the decoder and the encoder's layers, the routed experts'
+    """`compile_model` (torch.compile of the decoder and the encoder's layers, the routed experts'
     grid traced with an unbacked capacity) changes speed, not results: fp32 logits within rounding, and
     the same tokens as the eager plain loop across canvases, batch sizes and prefix lengths (each a
     recompile)."""
@@ -149,7 +150,7 @@ def test_compiled_decoder_gives_the_same_tokens(model):
 
     counters.clear()
     dynamo_before = torch._dynamo.config.get_config_copy()
-    compiled = copy.deepcopy(model).compile_decoder()
+    compiled = dgemma.compile_model(copy.deepcopy(model))
     cache_a, cache_b = model.new_cache(1, 64), compiled.new_cache(1, 64)
     prompt = torch.tensor([PROMPTS[0]])
     canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length))
@@ -177,7 +178,7 @@ def test_compiled_decoder_gives_the_same_tokens(model):
 
     # On a CPU the compiled step reads q|k|v and gate|up as one fused copy of the weights; a weight changed in
     # place or replaced after compiling is what the next compiled call computes with
-    assert all(f.weight is not None for f in compiled._fused)
+    assert all(f.weight is not None for f in compiled.compiled.fused)
     with torch.no_grad():
         for m in (model, compiled):
             m.layers[0].self_attn.v_proj.weight.mul_(1.5)
@@ -187,8 +188,9 @@ def test_compiled_decoder_gives_the_same_tokens(model):
         model.encode(prompt, cache_a, return_logits=False)
         compiled.encode(prompt, cache_b, return_logits=False)
         soft = torch.randn(1, model.config.canvas_length, model.config.hidden_size)
-        torch.testing.assert_close(compiled.denoise(canvas, cache_b, soft_embedding=soft),
-                                   model.denoise(canvas, cache_a, soft_embedding=soft), rtol=1e-4, atol=1e-4)
+        previous = PreviousStep(embedding=soft)
+        torch.testing.assert_close(compiled.denoise(canvas, cache_b, self_conditioning=previous),
+                                   model.denoise(canvas, cache_a, self_conditioning=previous), rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_quantised_decoder_gives_the_same_tokens(model):
@@ -202,5 +204,5 @@ def test_compiled_quantised_decoder_gives_the_same_tokens(model):
     quantize_model(quantised, "int8")
     s = _sampling()
     eager = Engine(quantised, max_batch=1, max_length=64).generate(PROMPTS[:1], s, seeds=[7])
-    compiled = Engine(copy.deepcopy(quantised).compile_decoder(), max_batch=1, max_length=64)
+    compiled = Engine(dgemma.compile_model(copy.deepcopy(quantised)), max_batch=1, max_length=64)
     assert compiled.generate(PROMPTS[:1], s, seeds=[7])[0].tokens == eager[0].tokens

@@ -66,7 +66,7 @@ class MockModel:
     def targets(self, row: int, n: int) -> list[int]:
         return [self.target(row, i) for i in range(n)]
 
-    def denoise(self, canvas_ids, cache, self_conditioning_probs=None):
+    def denoise(self, canvas_ids, cache, *, self_conditioning=None):
         B, L = canvas_ids.shape
         V = self.config.vocab_size
         prompt_width = cache.blocks[0][0].shape[1]
@@ -79,7 +79,8 @@ class MockModel:
             peaks = FIRST_PLAIN + (peaks + 1 - FIRST_PLAIN) % (V - FIRST_PLAIN)
         margin = torch.tensor([self.margin[b % len(self.margin)] for b in range(B)]).view(B, 1, 1)
         logits = torch.nn.functional.one_hot(peaks, V).float() * margin
-        self.denoises.append(dict(canvas=canvas_ids.clone(), sc=self_conditioning_probs, out=logits,
+        sc = None if self_conditioning is None else self_conditioning.probs
+        self.denoises.append(dict(canvas=canvas_ids.clone(), sc=sc, out=logits,
                                   raw=logits.clone(), start=cache.length))
         return logits
 

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import dgemma
+from dgemma.model import PreviousStep
 from dgemma.images import ImageProcessor, expand_image_tokens
 from tests.conftest import make_hf_model, unperturbed_tensors
 
@@ -97,7 +98,8 @@ def compare(hf, model, rows, images):
         for sc in (None, torch.randn(B, L, V, generator=g) * 4):
             expected = hf(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc,
                           decoder_attention_mask=dec_mask if padded is not None else None).logits
-            assert (model.denoise(canvas, cache, sc) - expected).abs().max() <= TOL
+            previous = None if sc is None else PreviousStep.from_logits(sc)
+            assert (model.denoise(canvas, cache, self_conditioning=previous) - expected).abs().max() <= TOL
         if step == 0:  # commit the canvas (no images): the next canvas sees prompt + canvas
             if padded is not None:
                 padded = dec_mask

@@ -112,3 +112,28 @@ def test_no_import_circles():
 def test_nothing_imports_the_cli_but_the_entry_point():
     """cli.py sits on top (it dispatches to commands/): an import of it from below runs back up."""
     assert sorted(name for name, imports in import_graph().items() if "dgemma.cli" in imports) == ["dgemma.__main__"]
+
+
+def test_only_the_cli_imports_the_commands():
+    """commands/ sits under cli.py and over everything else: the server takes what it needs of the flags as its
+    settings and a model loader (serving/server.py), never by importing a command."""
+    found = sorted(name for name, imports in import_graph().items()
+                   if not (name == "dgemma.cli" or name.startswith("dgemma.commands"))
+                   and any(m == "dgemma.commands" or m.startswith("dgemma.commands.") for m in imports))
+    assert found == []
+
+
+def test_the_device_module_sits_at_the_bottom():
+    """dgemma.devices is asked by the model, training and the commands alike: it imports no dgemma module."""
+    assert import_graph()["dgemma.devices"] == set()
+
+
+# What a machine can do, each asked of torch or the OS once, in dgemma/devices.py (memoised there)
+PROBES = ("cuda.is_available(", "is_bf16_supported(", "_is_mkldnn_bf16_supported(", "get_cpu_capability(",
+          "/proc/cpuinfo", "hasattr(torch.ops")
+
+
+def test_capability_probes_are_asked_of_dgemma_devices():
+    found = {f"{path.relative_to(ROOT.parent)}: {probe}" for path in ROOT.rglob("*.py") if path.name != "devices.py"
+             for probe in PROBES if probe in path.read_text()}
+    assert sorted(found) == []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dgemma
+from dgemma.model import PreviousStep
 from tests.conftest import TINY_TEXT_CONFIGS, hf_config, unperturbed_tensors
 
 TOL = 1e-4
@@ -56,7 +57,7 @@ def test_two_canvases_with_and_without_self_conditioning(hf_checkpoints, name):
         sc_logits = torch.randn(B, L, V, generator=g) * 4
         for sc in (None, sc_logits):
             ref = hf(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc).logits
-            ours = model.denoise(canvas, cache, sc)
+            ours = model.denoise(canvas, cache, self_conditioning=None if sc is None else PreviousStep.from_logits(sc))
             assert ours.dtype == torch.float32 and ours.shape == (B, L, V)
             assert (ours - ref).abs().max() <= TOL
         assert (model.encode(canvas, cache) - hf_encode(hf, canvas, hf_cache)).abs().max() <= TOL
@@ -78,7 +79,7 @@ def test_self_conditioning_mask_zeroes_rows(hf_checkpoints):
     mask = torch.tensor([True, False])
     ref = hf(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc,
              self_conditioning_mask=mask).logits
-    ours = model.denoise(canvas, cache, sc, self_conditioning_mask=mask)
+    ours = model.denoise(canvas, cache, self_conditioning=PreviousStep.from_logits(sc, mask=mask))
     assert (ours - ref).abs().max() <= TOL
     # the masked row equals no self-conditioning at all
     assert (ours[1] - model.denoise(canvas, cache)[1]).abs().max() <= 1e-6
@@ -145,7 +146,8 @@ def test_gradients_flow_through_encoder_and_decoder():
     model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     cache = model.new_cache(2, 64, keep_all=True)
     enc = model.encode(torch.randint(0, 128, (2, 10)), cache)
-    dec = model.denoise(torch.randint(0, 128, (2, 16)), cache, torch.randn(2, 16, 128))
+    dec = model.denoise(torch.randint(0, 128, (2, 16)), cache,
+                        self_conditioning=PreviousStep.from_logits(torch.randn(2, 16, 128)))
     (enc.logsumexp(-1).mean() + dec.logsumexp(-1).mean()).backward()
     layer = model.layers[0]
     for p in (layer.self_attn.q_proj.weight, layer.experts.gate_up_proj, model.self_conditioning.gate_proj.weight):

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from conftest import make_hf_model
 from dgemma.config import SamplingConfig
+from dgemma.model import PreviousStep
 
 # 4 query heads, 2 KV heads (sliding), 1 global KV head (full layers: replicated), 8 experts top-2; widths
 # such that o_proj's and down_proj's row splits fall on int8 group bounds (64)
@@ -67,7 +68,7 @@ def passes(model):
         enc = model.encode(ids, cache, attention_mask=mask)
         canvas = torch.randint(0, model.config.vocab_size, (2, model.config.canvas_length), generator=g)
         first = model.denoise(canvas, cache)
-        second = model.denoise(canvas, cache, self_conditioning_logits=first)
+        second = model.denoise(canvas, cache, self_conditioning=PreviousStep.from_logits(first))
     return {"encode": enc, "denoise": first, "denoise_sc": second}
 
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
+from dgemma import devices
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
-from dgemma.model import CheckpointError, int8_compute, quant
+from dgemma.model import CheckpointError, PreviousStep, int8_compute, quant
 from dgemma.model.quant import (QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor,
                                 use_cpu_int4_kernel, weight_bytes)
 from dgemma.training.weights import meta_model
@@ -34,8 +35,9 @@ def test_round_trip_error_is_bounded(fmt, tol):
 def _logits(model, ids, canvas):
     cache = model.new_cache(ids.shape[0], 128)
     model.encode(ids, cache, return_logits=False)
-    return model.denoise(canvas, cache, torch.randn(canvas.shape[0], canvas.shape[1], model.config.vocab_size,
-                                                    generator=torch.Generator().manual_seed(3)))
+    previous = torch.randn(canvas.shape[0], canvas.shape[1], model.config.vocab_size,
+                           generator=torch.Generator().manual_seed(3))
+    return model.denoise(canvas, cache, self_conditioning=PreviousStep.from_logits(previous))
 
 
 def _briefly_trained_tiny_model(steps=500):
@@ -218,7 +220,7 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
     and >= 98% of argmaxes equal, for the encoder, a denoising step, and one fed self-conditioning (the int8
     soft embedding). int4 weights are widened whatever the rows here (the tiny model's products are short),
     from our layout (fp32) and from the int4 kernel's (bf16)."""
-    if dtype == torch.bfloat16 and not int8_compute.kernel_layout_widens(64):
+    if dtype == torch.bfloat16 and not devices.int4_kernel_layout_known(64):
         pytest.skip("torch packs its int4 kernel's layout for AVX-512 only there; the int4 path runs elsewhere")
     monkeypatch.setattr(int8_compute, "MIN_ROWS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
@@ -235,7 +237,7 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
         cache = model.new_cache(8, 64)
         encoded, step = model.encode(seq[:, :8], cache), model.denoise(noisy, cache)
         probs = step.softmax(-1) if probs is None else probs  # both fed the float model's last step
-        fed = model.denoise(noisy, cache, self_conditioning_probs=probs)
+        fed = model.denoise(noisy, cache, self_conditioning=PreviousStep(probs=probs))
         outputs.append(torch.cat([encoded, step, fed], dim=1).float().flatten(0, 1))  # 320 positions
     cos = F.cosine_similarity(*outputs, dim=-1)
     agree = (outputs[0].argmax(-1) == outputs[1].argmax(-1)).float().mean()
@@ -253,7 +255,7 @@ def test_int4_codes_widen_to_int8_against_channel_scales(kernel):
     w = torch.randn(128, 256) * torch.rand(128, 1)
     q, scales = quantize_tensor(w, "int4")
     dense = dequantize_tensor(q, scales, "int4", torch.float32)  # (N, K)
-    if kernel and not int8_compute.kernel_layout_widens(128):
+    if kernel and not devices.int4_kernel_layout_known(128):
         pytest.skip("torch packs its int4 kernel's layout for AVX-512 only there; the int4 path runs elsewhere")
     if kernel:  # its scales are bf16
         dense = dequantize_tensor(q, scales.to(torch.bfloat16).float(), "int4", torch.float32)
@@ -269,8 +271,8 @@ def test_the_widener_reads_the_int4_kernel_layout_only_as_avx512_packs_it(monkey
     """torch packs its CPU int4 kernel's weights per instruction set; the widener reads the AVX-512 packing
     (blocks of 64 rows), so elsewhere, or off whole blocks, a module keeps the int4 kernel."""
     for capability, rows, widens in [("AVX512", 128, True), ("AVX512", 96, False), ("AVX2", 128, False)]:
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert int8_compute.kernel_layout_widens(rows) == widens
+        monkeypatch.setattr(devices, "cpu_capability", lambda c=capability: c)
+        assert devices.int4_kernel_layout_known(rows) == widens
 
 
 def test_int8_products_stay_exact_past_the_int32_range(monkeypatch):
@@ -290,7 +292,7 @@ def test_int8_compute_applies_to_quantised_cpu_models_only():
     model = _tiny_quantised("int8", torch.float32)
     assert not int8_compute.enable(dgemma.DiffusionGemma(dgemma.get_preset("tiny")), "on")  # float: nothing to do
     assert not int8_compute.enable(model, "off") and model.int8_table is None
-    assert int8_compute.enable(model, "auto") == int8_compute.cpu_has_int8_dot()
+    assert int8_compute.enable(model, "auto") == devices.cpu_has_int8_dot()
     assert model.int8_table is None  # 128 x 64 entries: the table stays in float (MIN_TABLE_ENTRIES)
     with pytest.raises(ValueError):
         int8_compute.resolve("sometimes", model)

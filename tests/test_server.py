@@ -401,8 +401,7 @@ def test_api_key(server):
 def test_openapi_schema_and_docs(server):
     """/openapi.json is generated from the models that validate the bodies, describes dgemma's fields, and
     needs the API key like /v1; /docs is Swagger UI served from here (no CDN), a page that asks for the key."""
-    from dgemma.serving.chat_protocol import ChatCompletionRequest
-    from dgemma.serving.protocol import CompletionRequest
+    from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest
 
     assert httpx.get(f"{server.url}/openapi.json").status_code == 401
     schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import MODEL, ServerProcess
 
@@ -109,11 +110,11 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir):
         reader = threading.Thread(target=read_endless)
         reader.start()
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: httpx.get(f"{s.url}/health", timeout=5).json()["status"] == "draining", 30,
+                   "/health says draining after SIGTERM")
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=MODEL, prompt="late", max_tokens=16)
         assert refused.value.status_code == 503 and refused.value.body["code"] == "shutting_down"
-        assert httpx.get(f"{s.url}/health", timeout=5).json()["status"] == "draining"
         reasons = [c.choices[0].finish_reason for c in short if c.choices and c.choices[0].finish_reason]
         assert reasons and reasons[0] in ("stop", "length")
         reader.join(60)

@@ -11,8 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from dgemma.serving.chat_protocol import ChatCompletionRequest
-from dgemma.serving.errors import parse
+from dgemma.serving.requests import ChatCompletionRequest
 from dgemma.tokenizer import Tokenizer
 from test_server import MODEL, ServerProcess
 
@@ -63,7 +62,7 @@ def tokenizer(gemma4_chat_model_dir):
 
 
 def _prompt(tokenizer, body: dict) -> str:
-    request = parse(ChatCompletionRequest, {"model": MODEL, **body})
+    request = ChatCompletionRequest.model_validate({"model": MODEL, **body})
     return tokenizer.render_chat(request.chat(), add_generation_prompt=True, **request.template_kwargs())
 
 

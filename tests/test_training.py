@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import dgemma
 from dgemma.cli import main as cli_main
 from dgemma.config import ConfigError
+from dgemma.model import PreviousStep
 from dgemma.training import TrainConfig, learning_rate, train
 from dgemma.training.data import DataError, Example, TextEncoder, collate, load_jsonl
 from dgemma.training.lora import apply_lora
@@ -113,7 +114,7 @@ def test_diffusion_loss_equals_a_by_hand_generation_style_computation():
             model.encode(row[None, :start], cache)
             logits = model.denoise(noisy[None], cache)
             if noise.self_condition[b]:
-                logits = model.denoise(noisy[None], cache, logits)
+                logits = model.denoise(noisy[None], cache, self_conditioning=PreviousStep.from_logits(logits))
             diff = F.cross_entropy(logits[0], clean)
             enc = model.encode(row[None], model.new_cache(1, 128))[0]
             targets = batch.ar_targets[b, : len(row)].nonzero().squeeze(1)
@@ -165,18 +166,16 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
 def test_precision_auto_takes_bf16_only_where_the_cpu_multiplies_it(tmp_path, monkeypatch, capsys):
     """--precision auto: bf16 autocast where the device multiplies bf16 natively, fp32 elsewhere (an AVX2
     CPU emulates bf16 several times slower); an explicit bf16 there runs, after one warning line."""
-    from dgemma.training import loop
+    from dgemma import devices
     from dgemma.training.model_setup import resolve_precision
 
     cpu = torch.device("cpu")
     assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", cpu) == ("bf16" if devices.native_bf16(cpu) else "fp32")
     short = dict(steps=1, log_every=1, save_every=1, compile=False)
     for has_bf16, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"),
                                   (False, "bf16", "bf16 autocast")]:
-        monkeypatch.setattr(loop, "native_bf16", lambda device, has=has_bf16: has)
-        monkeypatch.setattr("dgemma.training.model_setup.native_bf16", lambda device, has=has_bf16: has)
+        monkeypatch.setattr(devices, "native_bf16", lambda device, has=has_bf16: has)
         train(task_config(tmp_path, f"{has_bf16}-{asked}", precision=asked, **short))
         err = capsys.readouterr().err
         assert f"on cpu, eager (--eager), {runs}" in err

@@ -147,9 +147,11 @@ def compile_mode(args, model) -> str:
 
 
 def maybe_compile(args, model):
-    """`model.compile_decoder()` when the policy says so (see `wants_compile`); the model either way."""
+    """`compile_model(model)` when the policy says so (see `wants_compile`); the model either way."""
+    from dgemma.model.compilation import compile_model
+
     if wants_compile(args, model):
-        model.compile_decoder(compile_mode(args, model))
+        compile_model(model, compile_mode(args, model))
     return model
 
 
@@ -194,38 +196,29 @@ def sampling_from_args(model, args):
 
 
 def resolve_device_dtype(args):
+    """--device and --dtype as a torch device name and dtype: "auto" and no --dtype ask `dgemma.devices`
+    (bf16 where the device multiplies it natively, on a CPU only for models from 256 wide)."""
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
-    name = args.dtype or ("bf16" if device.startswith("cuda") else cpu_default_dtype(getattr(args, "model", None)))
-    return device, getattr(torch, DTYPES[name])
+    from dgemma import devices
+
+    device = devices.resolve_device(args.device)
+    if args.dtype:
+        return device, getattr(torch, DTYPES[args.dtype])
+    return device, devices.default_dtype(device, model_width(getattr(args, "model", None)))
 
 
-# A CPU runs a model in bf16 by default from this width, where it multiplies bf16 natively. Measured on the
-# 2-core AVX-512 BF16 machine, an eager denoising step of a 2-layer bench-20m variant (8,192 vocabulary),
-# fp32 against bf16: 0.99x at 64 wide, 1.67x at 128, 2.23x at 256, 2.87x at 512, 3.53x at 1,024, 3.83x at
-# 2,048 (benchmarks/README.md). Below it, and on CPUs without native bf16, fp32.
-CPU_BF16_MIN_HIDDEN = 256
-
-
-def cpu_default_dtype(model_path: str | None) -> str:
-    """fp32 or bf16 for a model folder on this CPU (see CPU_BF16_MIN_HIDDEN); fp32 when the folder cannot
-    be read here (loading it then says why)."""
-    import torch
-
+def model_width(model_path: str | None) -> int | None:
+    """The hidden size config.json of a model folder gives, or None when the folder cannot be read here
+    (loading it then says why)."""
     from dgemma.model.checkpoint import CheckpointError, model_config
 
-    if model_path is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "fp32"
+    if model_path is None:
+        return None
     try:
-        _, config = model_config(Path(model_path))
+        return model_config(Path(model_path))[1].hidden_size
     except CheckpointError:
-        return "fp32"
-    return "bf16" if config.hidden_size >= CPU_BF16_MIN_HIDDEN else "fp32"
+        return None
 
 
 def load_from_args(args, *, compile: bool = True):
@@ -274,21 +267,14 @@ def add_prefix_cache_arguments(p):
 
 def free_memory_bytes(device) -> int:
     """Memory free for new tensors on the model's device: CUDA's free memory, else the host's available
-    memory (Linux's MemAvailable, which counts reclaimable page cache; elsewhere the free pages)."""
-    import os
-
+    memory (`devices.available_host_memory`)."""
     import torch
+
+    from dgemma import devices
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return devices.available_host_memory()
 
 
 def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:

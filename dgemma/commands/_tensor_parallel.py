@@ -57,9 +57,9 @@ def launch_or_join(args, argv: list[str]) -> int | None:
 
 
 def _device(args) -> str:
-    import torch
+    from dgemma import devices
 
-    return args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return devices.resolve_device(args.device)
 
 
 def _check_before_launch(args, ranks: int):

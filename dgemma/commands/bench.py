@@ -64,17 +64,15 @@ def add_arguments(p):
 
 
 def _resolve(args):
+    """--device, and --dtype auto: bf16 wherever the device multiplies it natively (`dgemma.devices`)."""
     import torch
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
+    from dgemma import devices
+
+    device = devices.resolve_device(args.device)
     if args.dtype == "auto":
-        native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        dtype = torch.bfloat16 if native_bf16 else torch.float32
-    else:
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    return device, dtype
+        return device, torch.bfloat16 if devices.native_bf16(device) else torch.float32
+    return device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
 def run(args):
@@ -83,6 +81,7 @@ def run(args):
     from dgemma.commands import bench_timing as timing
     from dgemma.generation.canvas import positions_needed
     from dgemma.model import kernels
+    from dgemma.model.compilation import compile_model, is_compiled
 
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
@@ -141,7 +140,7 @@ def run(args):
         ([("compiled", "engine-compiled")] if compiling else [])
     for group, engine_system in groups:
         if group == "compiled":  # after every eager run: compiling swaps the model's decoder for good
-            model.compile_decoder(compile_mode(args, model))
+            compile_model(model, compile_mode(args, model))
         for batch, prompts in prompts_by_batch.items():  # the same prompts in every group
             systems = compared(engine_system, batch, prompts)
             rows += [timed.measurement(group) for timed in systems]
@@ -151,7 +150,7 @@ def run(args):
                 adaptive_run.run(0)
                 rows.append(adaptive_run.measurement(group))
             print(f"  batch {batch} {group} done", file=sys.stderr)
-    compiled_ran = compiling and model.decoder_compiled
+    compiled_ran = compiling and is_compiled(model)
     if compiling and not compiled_ran:  # compiling was unavailable or failed (warned): those runs were eager
         rows, budgets = _as_eager(rows, budgets)
     hf = None  # free transformers' copy of the weights before the token check and start-up runs
@@ -169,7 +168,7 @@ def run(args):
     print("what ran: " + "\n          ".join(_what_runs_lines(ran)))
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
-    result["cpu_int8_compute"] = getattr(model, "integer_compute_on", False)
+    result["cpu_int8_compute"] = model.integer_compute_on
     result["what_ran"] = ran
     result["startup"] = startup
     if tokens_check is not None:
@@ -187,7 +186,7 @@ def _what_runs(model, batch: int, load_before) -> dict:
     from dgemma.model import kernels
 
     canvas_rows = batch * model.config.canvas_length
-    out = {"int8_compute": getattr(model, "integer_compute_on", False), "dtype": str(model.dtype).replace("torch.", ""),
+    out = {"int8_compute": model.integer_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
            "quantize": getattr(model, "quantization", None),
            f"canvas step ({canvas_rows} rows)": kernels.kernels(model, canvas_rows),
            f"AR token ({batch} row{'s' if batch > 1 else ''})": kernels.kernels(model, batch),

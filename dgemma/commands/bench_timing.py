@@ -281,6 +281,7 @@ import torch
 import dgemma
 from dgemma.engine import Engine
 from dgemma.generation.canvas import positions_needed
+from dgemma.model.compilation import compile_model, is_compiled
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 torch.manual_seed(a["seed"])
@@ -299,7 +300,7 @@ from dgemma.model import int8_compute
 int8_compute.enable(model, a["cpu_int8_compute"])
 built = time.perf_counter()
 if a["compile"]:
-    model.compile_decoder(a["mode"])
+    compile_model(model, a["mode"])
 L = model.config.canvas_length
 sampling = model.sampling_config.replace(max_new_tokens=L, max_denoising_steps=a["steps"], fixed_steps=True,
                                          eos_token_ids=(model.config.vocab_size + 1,))
@@ -309,7 +310,7 @@ engine.generate([prompt], sampling, seeds=[0])
 if a["device"].startswith("cuda"):
     torch.cuda.synchronize()
 done = time.perf_counter()
-print(json.dumps({"build_s": built - start, "first_canvas_s": done - built, "compiled": model.decoder_compiled}))
+print(json.dumps({"build_s": built - start, "first_canvas_s": done - built, "compiled": is_compiled(model)}))
 """
 
 

@@ -1,12 +1,14 @@
 """`dgemma serve`: an OpenAI-compatible HTTP server with a playground page: one engine for all requests, or
-N replicas of it behind one endpoint on Ray Serve (--replicas)."""
+N replicas of it behind one endpoint on Ray Serve (--replicas).
+
+Here the flags are defined, checked and read into the server's settings; dgemma/serving/server.py builds the
+server from them and runs it (serving/replicas.py the replicas)."""
 
 from __future__ import annotations
 
-import functools
+import argparse
 import os
-import socket
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.commands import _tensor_parallel
@@ -21,11 +23,6 @@ from dgemma.commands._common import (
     prefix_cache_bytes,
     wants_compile,
 )
-
-
-# After a rank of a split model is lost, rank 0 answers 503 this long (its launcher usually stops it
-# sooner), then exits non-zero.
-LOST_RANKS_GRACE_S = 10.0
 
 
 def add_arguments(p):
@@ -83,82 +80,48 @@ def add_arguments(p):
 def run(args):
     if args.replicas is not None or args.ray_address is not None:
         return _run_replicas(args)
-    import uvicorn
-
-    from dgemma.serving.app import create_app
+    from dgemma.serving import server
 
     _check_arguments(args)
-    server = None
-
-    def lost_ranks():
-        print(f"dgemma serve: {state.worker.fatal}; answering 503 to new work until stopped", file=sys.stderr,
-              flush=True)
-        import threading
-
-        threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
-
-    state = build_state(args, on_fatal=lost_ranks)
-    if state is None:  # a rank other than 0 of a split model: it stepped with rank 0 until told to stop
-        return 0
-    # Bind and listen before uvicorn starts, so the port is known (--port 0) and clients that connect
-    # early wait in the backlog instead of being refused.
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    sock.listen(2048)
-    port = sock.getsockname()[1]
-    _announce(args, state.codec.task + (", images" if state.images else ""), port)
-    from dgemma.serving.shutdown import FLUSH_SECONDS, GracefulServer
-
-    # uvicorn's access log is replaced by the app's own, which names each request's X-Request-Id (traffic.py)
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
-                            log_config=_log_config(args.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
-    GracefulServer(config, state, grace_seconds=args.shutdown_grace).run(sockets=[sock])
-    worker = state.worker
-    if worker.fatal:
-        return 1
-    if getattr(args, "tp", None) is not None:  # the lifespan stopped the engine thread: tell the other ranks
-        from dgemma.engine.lockstep import RanksLost
-
-        worker.engine.close()
-        try:
-            worker.engine.step()
-        except RanksLost:  # they were stopped already (the launcher passes a SIGTERM on to every rank)
-            pass
-    if state.background_compile is not None and state.background_compile.running:
-        sys.stdout.flush()  # a compile in progress has nothing to keep: don't wait for it
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
-def _log_config(level: str) -> dict:
-    """uvicorn's logging setup, with the "dgemma.access" and "dgemma.serve" loggers on its stderr handler."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    for name in ("dgemma.access", "dgemma.serve"):
-        config["loggers"][name] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
-    return config
-
-
-def _adapters(args, model, name: str) -> tuple[str, ...]:
-    """--lora NAME=PATH: each adapter read and installed on the model (serving/adapters.py); exit 2 with one line
-    for one that does not fit it."""
-    if not args.lora:
-        return ()
-    from dgemma.serving.adapters import load_adapters, parse_lora_flags
-
-    try:
-        return load_adapters(model, parse_lora_flags(args.lora, name))
-    except ValueError as e:
+        return server.serve(settings(args), ModelFromFlags(args))
+    except server.StartupError as e:
         raise UsageError(str(e)) from None
+
+
+def settings(args):
+    """The flags as the server's settings (dgemma/serving/server.py)."""
+    from dgemma.serving.server import ServerSettings
+
+    domains = frozenset(d.strip().lower() for d in args.allowed_image_domains.split(",") if d.strip())
+    return ServerSettings(
+        model=args.model, model_id=getattr(args, "model_name", args.model), revision=args.revision,
+        served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key or None,
+        max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length,
+        max_body_bytes=args.max_body_bytes, max_images_per_request=args.max_images_per_request,
+        allowed_image_domains=domains,
+        automaton_cache=None if args.automaton_cache.lower() == "none" else args.automaton_cache,
+        prebuild_json_object=args.prebuild_json_object, lora=tuple(args.lora), shutdown_grace=args.shutdown_grace,
+        log_level=args.log_level, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
+        tp=getattr(args, "tp", None), replicas=args.replicas, ray_address=args.ray_address,
+        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device)
+
+
+@dataclass(frozen=True)
+class ModelFromFlags:
+    """The server's ModelLoader: the model as --device, --dtype, --quantize, --compile... and --prefix-cache-gib
+    say. Picklable, for the replicas."""
+
+    args: argparse.Namespace
+
+    def load(self, folder: str):
+        return load_from_args(argparse.Namespace(**{**vars(self.args), "model": folder}), compile=False)
+
+    def prefix_cache_bytes(self, model) -> int:
+        return prefix_cache_bytes(self.args, model, "serve")
+
+    def compile_mode(self, model) -> str | None:
+        return compile_mode(self.args, model) if wants_compile(self.args, model) else None
 
 
 def _check_arguments(args):
@@ -197,42 +160,19 @@ def _run_replicas(args):
         from dgemma.serving import replicas
     except ImportError as e:  # ray without its serve extra
         raise UsageError(f"Ray Serve does not import ({e}): pip install 'dgemma[ray]'") from None
+    from dgemma.serving.server import StartupError
+
     _check_arguments(args)
-    count, local = args.replicas or 1, args.ray_address is None
-    plan = _replica_plan(args, replicas, local)
-    port = _port_for_ray(args.host, args.port)
-    resources = replicas.start_ray(args.ray_address)
-    for name, each in (("CPU", plan.cpus), ("GPU", plan.gpus)):
-        if count * each > resources.get(name, 0):
-            raise UsageError(f"{count} replicas of {each:g} {name}s need {count * each:g}; the Ray cluster has "
-                             f"{resources.get(name, 0):g} (--cpus-per-replica, --gpus-per-replica)")
-    print(f"dgemma serve: starting {count} replicas on Ray Serve ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs each)",
-          file=sys.stderr, flush=True)
-    announce = functools.partial(_announce, args, f"{count} replicas", port)
     try:
-        return replicas.serve_replicas(functools.partial(build_replica_state, args), plan, host=args.host,
-                                       port=port, announce=announce, local=local)
-    except RuntimeError as e:  # Ray Serve gave up on the replicas (3 failed starts): say what they raised
-        raise UsageError(f"the replicas did not start: {_last_error_line(str(e))}") from None
-
-
-def _replica_plan(args, replicas, local: bool):
-    import os
-
-    count = args.replicas or 1
-    cpus = args.cpus_per_replica
-    if cpus is None:
-        cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
-    return replicas.ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(args),
-                                max_ongoing=args.max_batch + args.max_queue)
+        return replicas.serve_replicas(settings(args), ModelFromFlags(args))
+    except StartupError as e:
+        raise UsageError(str(e)) from None
 
 
 def ray_app(flags: dict):
     """Ray Serve's application builder, for Ray's own tools: `serve run dgemma.commands.serve:ray_app
     model=DIR replicas=2 quantize=int8` on a running cluster, or a `serve deploy` config whose `args` are
     these flags without their dashes. Ray's tools then own the HTTP address and the application's life."""
-    import argparse
-
     from dgemma.model.hub import resolve_model
     from dgemma.serving import replicas
 
@@ -248,153 +188,8 @@ def ray_app(flags: dict):
     args = parser.parse_args(argv)
     args.model_name, args.model = args.model, str(resolve_model(args.model, args.revision))
     _check_arguments(args)
-    return replicas.application(functools.partial(build_replica_state, args), _replica_plan(args, replicas, False))
-
-
-def _last_error_line(message: str) -> str:
-    """'TokenizerError: no tokenizer in DIR ...' from a message that holds a replica's traceback, else its last line."""
-    import re
-
-    errors = re.findall(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception): .+)$", message, flags=re.MULTILINE)
-    return errors[-1] if errors else message.strip().splitlines()[-1]
-
-
-def build_replica_state(args):
-    """`build_state` in a replica: a model given as a Hugging Face id is fetched into this node's cache."""
-    from dgemma.model.hub import is_hub_id, resolve_model
-
-    typed = getattr(args, "model_name", args.model)
-    if not Path(args.model).is_dir() and is_hub_id(typed):
-        args.model = str(resolve_model(typed, args.revision))
-    return build_state(args)
-
-
-def _gpus_per_replica(args) -> float:
-    if args.gpus_per_replica is not None:
-        return args.gpus_per_replica
-    if args.device.startswith("cuda"):
-        return 1
-    if args.device == "auto":
-        import torch
-
-        return 1 if torch.cuda.is_available() else 0
-    return 0
-
-
-def _port_for_ray(host: str, port: int) -> int:
-    """`port` if it is free on this machine (0: a free one), for Ray Serve's proxy, which cannot report a port it
-    picked itself and fails in its own process when the port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        return sock.getsockname()[1]
-
-
-def build_state(args, on_fatal=None):
-    """The model loaded, its engine worker and codec: everything one server (or one replica) serves from.
-    None on the ranks other than 0 of a split model (--tensor-parallel), once rank 0 has told them to stop;
-    `on_fatal()` runs on rank 0 when the ranks are lost."""
-    from dgemma.engine import Engine
-    from dgemma.chat.codec import TextCodec
-    from dgemma.serving.state import ServerState
-    from dgemma.serving.worker import EngineWorker
-    from dgemma.structured import set_disk_cache
-    from dgemma.tasks import read_task, task_codec
-    from dgemma.tokenizer import Tokenizer
-
-    folder = Path(args.model)
-    task = read_task(folder)
-    model = load_from_args(args, compile=False)  # compiled in the background once serving (fast_start.py)
-    adapters = _adapters(args, model, served_name(args))
-    vocab_size = model.config.vocab_size
-    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
-    images = _image_reader(args, folder, model) if task == "text" else None
-    set_disk_cache(None if args.automaton_cache.lower() == "none" else args.automaton_cache)
-    engine_args = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_length=args.max_length,
-                       prefix_cache_bytes=prefix_cache_bytes(args, model, "serve"), prefill_chunk=args.prefill_chunk,
-                       deterministic=args.deterministic)
-    engine_class = Engine
-    if getattr(args, "tp", None) is not None:
-        from dgemma.engine.lockstep import LockstepEngine
-
-        if args.tp.rank != 0:  # the other ranks step with rank 0 until it says stop
-            LockstepEngine(model, **engine_args).follow()
-            return None
-        engine_class = LockstepEngine
-    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal)
-    background = None
-    if adapters:
-        print("dgemma serve: LoRA adapters run on the eager step", file=sys.stderr)
-    elif getattr(args, "tp", None) is None and wants_compile(args, model):  # the eager step answers meanwhile
-        from dgemma.serving.fast_start import BackgroundCompile
-
-        background = BackgroundCompile(worker, compile_mode(args, model))
-        worker.between_steps = background.between_steps
-        background.start()
-    if args.prebuild_json_object and codec.task == "text":
-        _prebuild_json_object(codec)
-    return ServerState(worker=worker, codec=codec, model_name=served_name(args), sampling=model.sampling_config,
-                       canvas_length=model.config.canvas_length, api_key=args.api_key or None,
-                       max_body_bytes=args.max_body_bytes or (32 << 20 if images else 4 << 20), images=images,
-                       step_kind=background.kind if background is not None else None, background_compile=background,
-                       adapters=adapters, adapter_paths=tuple(v.partition("=")[2] for v in args.lora))
-
-
-def served_name(args) -> str:
-    from dgemma.model.hub import is_hub_id
-
-    typed = getattr(args, "model_name", args.model)  # the id, when the folder came from the Hugging Face cache
-    return args.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists()
-                                      else Path(args.model).resolve().name)
-
-
-def _announce(args, what: str, port: int):
-    """The line clients and scripts wait for: the served name, what serves it, and the address."""
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print("dgemma serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
-    print(f"dgemma serve: {served_name(args)} ({what}, batch {args.max_batch}, queue {args.max_queue}) "
-          f"on http://{host}:{port}", flush=True)
+    return replicas.application(settings(args), ModelFromFlags(args))
 
 
 def _default_automaton_cache() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma" / "automata")
-
-
-def _prebuild_json_object(codec):
-    """json_object's automaton, built on a thread of its own; a request that needs it meanwhile waits for this
-    build rather than starting another."""
-    import threading
-
-    def build():
-        import time
-
-        start = time.perf_counter()
-        try:
-            codec.constraint("json_object")
-        except Exception as e:  # the server still serves everything else
-            print(f"dgemma serve: json_object automaton not built: {e}", file=sys.stderr, flush=True)
-            return
-        print(f"dgemma serve: json_object automaton ready ({time.perf_counter() - start:.1f} s)", file=sys.stderr,
-              flush=True)
-
-    threading.Thread(target=build, name="prebuild-json-object", daemon=True).start()
-
-
-def _image_reader(args, folder: Path, model):
-    """How the server takes images for this model, or None when it has no vision tower."""
-    from dgemma.images import ImageError, ImageProcessor
-    from dgemma.serving.image_urls import ImageLimits, ImageReader
-
-    if model.vision_tower is None:
-        return None
-    domains = frozenset(d.strip().lower() for d in args.allowed_image_domains.split(",") if d.strip())
-    try:
-        processor = ImageProcessor.from_folder(folder)
-    except ImageError as e:
-        raise UsageError(f"{folder}: image processor settings: {e}") from None
-    return ImageReader(processor, model.config,
-                       ImageLimits(max_images=args.max_images_per_request, allowed_domains=domains))

@@ -48,6 +48,7 @@ from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
+from dgemma.model.compilation import compiled_function
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, seed_or_random, temperature_schedule
 from dgemma.sampling.sampler import draw_samples, scan_logits, scan_step
 
@@ -80,8 +81,7 @@ class Engine:
         self.scored_tokens = 0  # prompt tokens the encoder ran for scoring (shared prefixes once), for benchmarks
         self.score_chunk_tokens = score_chunk_tokens
         # a model whose decoder is compiled gets a compiled sampler scan too (the step's other fused part)
-        self.scan = model.compiled_function(scan_logits, dynamic=True, options=None) if model.decoder_compiled \
-            else scan_logits
+        self.scan = compiled_function(model, scan_logits, dynamic=True, options=None)
 
     @property
     def prefix_cache(self):

@@ -22,7 +22,7 @@ import torch
 
 from dgemma.device_sync import to_device
 from dgemma.engine.prefix_cache import PrefixCache, RowTrail, image_digest, image_spans
-from dgemma.model.network import device_vocab_chunk_rows
+from dgemma.model.network import PreviousStep, device_vocab_chunk_rows
 
 # Self-conditioning embeddings are made a block of positions at a time from the probabilities buffer, so the
 # temporaries stay (block, V) next to the one (B, L, V) buffer; the block depends on the device.
@@ -56,7 +56,7 @@ class Runner:
 
     def _adapters(self, rows: list[int]):
         """While a forward over `rows` runs: each row's adapter, for a model that serves adapters."""
-        holder = getattr(self.model, "adapter_rows", None)
+        holder = self.model.adapter_rows
         if holder is None:
             return contextlib.nullcontext()
         return holder.set(to_device([self.row_adapter[r] for r in rows], torch.long, self.device))
@@ -214,7 +214,8 @@ class Runner:
             zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
             soft = torch.stack([zeros if s is None else s for s in softs])
         with self._adapters(rows):
-            return self.model.denoise(canvases, self.cache, soft_embedding=soft, rows=rows)
+            previous = None if soft is None else PreviousStep(embedding=soft)
+            return self.model.denoise(canvases, self.cache, self_conditioning=previous, rows=rows)
 
     @torch.no_grad()
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:

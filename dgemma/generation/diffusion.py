@@ -40,6 +40,7 @@ from dgemma.generation.canvas import (
     pad_after_eos,
     template_slice,
 )
+from dgemma.model.network import PreviousStep
 from dgemma.sampling import (
     adaptive_stop,
     new_argmax_history,
@@ -290,7 +291,7 @@ def denoise_canvas(
     chosen: dict[int, torch.Tensor] = {}  # constrained rows: the canvas they commit
     for step_index in range(num_steps):
         steps += ~done
-        logits = model.denoise(canvas, cache, self_conditioning_probs=self_conditioning)  # (B, L, V) fp32
+        logits = model.denoise(canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
         scanned = scan_step(logits, temperature, sampling.entropy_bound, generator, fixed=fixed,
@@ -314,7 +315,7 @@ def denoise_canvas(
             for row, answer in enumerate(answers):
                 if answer is not None and not was_done[row] and (done_rows[row] or last_step):
                     chosen[row] = answer.commit(logits[row], budget)
-        self_conditioning = logits  # now softmax(logits / T), left in place by the sampler
+        self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
             on_draft(step_index, argmax, result.entropy, result.accepted)
         if all(done_rows):

@@ -2,7 +2,9 @@
 
 from dgemma.model.attention import KVCache
 from dgemma.model.checkpoint import CheckpointError, save_pretrained
+from dgemma.model.compilation import compile_model
 from dgemma.model.hub import load_model, resolve_model
-from dgemma.model.network import DiffusionGemma
+from dgemma.model.network import DiffusionGemma, PreviousStep
 
-__all__ = ["DiffusionGemma", "KVCache", "load_model", "resolve_model", "save_pretrained", "CheckpointError"]
+__all__ = ["DiffusionGemma", "PreviousStep", "KVCache", "load_model", "resolve_model", "save_pretrained", "compile_model",
+           "CheckpointError"]

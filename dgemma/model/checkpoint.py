@@ -385,7 +385,7 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
     Written into a temporary folder beside `out_dir`, then renamed into place: a crash never leaves a
     half-written checkpoint, and an existing `out_dir` is replaced only once the new one is complete.
     """
-    fmt = getattr(model, "quantization", None)
+    fmt = model.quantization
     if fmt and is_kernel_layout(model):
         raise ValueError("this int4 model is repacked for torch's CPU int4 matmul; load it with "
                          "cpu_int4_kernel=False to save it")
@@ -407,7 +407,7 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
         gen.setdefault("bos_token_id", model.config.bos_token_id)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         _write_weights(weights, tmp, max_shard_bytes)
-        src = getattr(model, "source_dir", None)
+        src = model.source_dir
         for extra in TOKENIZER_FILES:
             if src and (Path(src) / extra).is_file():
                 shutil.copy2(Path(src) / extra, tmp / extra)

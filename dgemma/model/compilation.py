@@ -16,18 +16,19 @@ model's compiled step is already in that cache, and the fallback to eager when c
   One-shot commands compile by default only when it exists (`is_warm`).
 - Size: on a CPU a model above a billion parameters runs eagerly by default (`compiles_by_default`): its step
   is large matmuls that compiling does not speed up, and compiling it takes longer than many canvases do.
-- Background: `compile_decoder(background=True)` makes the calling thread the only one that runs the compiled
-  functions until `release_compiled()`; every other thread keeps running them eagerly meanwhile. A server
+- Background: `compile_model(model, background=True)` makes the calling thread the only one that runs the
+  compiled functions until `release_compiled(model)`; every other thread keeps running them eagerly meanwhile. A server
   compiles and warms up the step on a thread of its own while its engine thread answers eagerly, then
-  switches between two steps (dgemma/serving/fast_start.py). Dynamo's frame hook, its fake-tensor mode
+  switches between two steps (dgemma/serving/lifecycle.py). Dynamo's frame hook, its fake-tensor mode
   and grad mode are per thread, so the eager thread is not traced.
 - Fallback: compiling needs a C++ compiler on a CPU and triton on a GPU. Without them, or when a compile
   raises, the model runs eagerly, after one warning line on stderr.
 - Policy (`should_compile`): the command line's --compile / --eager first, then DGEMMA_EAGER, then the
   command's default; `dgemma.commands._common` turns the flags into these arguments.
-- What compiling does to a model (`compile_model`, behind `DiffusionGemma.compile_decoder`): the routed
-  experts become one custom op, the projections that read the same input get a fused copy
-  (`FusedLinears`, CPU), and the decoder step and the encoder's layers are wrapped in `CompiledOrEager`.
+- What compiling does to a model (`compile_model`): the routed experts become one custom op, the projections
+  that read the same input get a fused copy (`FusedLinears`, CPU), and the decoder step and the encoder's
+  layers (`decode_canvas`, `encode_tokens`: the network's compile boundaries) are wrapped in `CompiledOrEager`
+  and held beside the network as `model.compiled` (`CompiledSteps`), which `encode` and `denoise` call.
   The one dynamo setting the graphs need (`DYNAMO_SETTINGS`) is set for each compiled call and restored
   after it: nothing global is left changed.
 """
@@ -249,8 +250,32 @@ class CompiledOrEager:
 
 
 def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None, *, background: bool = False):
-    """What `DiffusionGemma.compile_decoder` does (its docstring says why): the model, compiled lazily."""
-    if model.decoder_compiled or (model._compile_state is not None and model._compile_state.failed):
+    """torch.compile (inductor) the model's `decode_canvas`, and its encoder's layers (`encode_tokens`) for
+    passes without gradients: prompts, committed canvases and autoregressive tokens. Returns the model, which
+    holds them as `model.compiled` (`CompiledSteps`) and runs them from its `encode` and `denoise`.
+
+    Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix) shape
+    (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
+    (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op.
+
+    `mode` defaults by device (`default_mode`): on a CPU "max-autotune-no-cudagraphs", which lets inductor
+    time its own kernels against ATen's and keep the faster (its choices follow timings, so they can vary
+    between runs on a noisy machine: benchmarks/README.md); on CUDA "default" (no autotuning, no CUDA graphs:
+    the step writes into the KV cache, its input). On a CPU the projections that read the same input run as
+    one matmul in the compiled graphs (q|k|v, gate|up: `FusedLinears`, a fused copy of those weights, kept in
+    step with them before each call). `cpp_wrapper` (default: on CPU) has inductor write the code that calls
+    the step's ~200 kernels and allocates their buffers in C++ instead of Python: less interpreter time per
+    step, against a slower first compile. Compiled code goes to torch's on-disk caches, so a second start is
+    quick. Where compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after
+    one warning line; `is_compiled` then says False. No torch setting is left changed: the one dynamo setting
+    the graphs need is set only while a compiled call runs (`dynamo_settings`). `background`: only the
+    calling thread runs the compiled functions (it warms them up) until `release_compiled`; other threads run
+    eagerly meanwhile. A model that says why it runs eagerly (`eager_only`: a split model) stays eager.
+    """
+    if model.eager_only is not None:
+        print(f"note: {model.eager_only}", file=sys.stderr)
+        return model
+    if model.compiled is not None:  # compiled already (or failed to: then it stays eager)
         return model
     mode = mode or default_mode(model.device)
     reason = unavailable_reason(model.device)
@@ -258,28 +283,78 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
         warn_eager(reason)
         return model
     use_disk_cache()
-    for module in model.modules():
-        prepare = getattr(module, "prepare_for_compile", None)  # the routed experts: one custom op
-        if prepare is not None:
-            prepare()
-    if model.device.type == "cpu":  # projections that read the same input as one matmul (FusedLinears)
-        for block in model.layers:
-            attn = block.self_attn
-            attn.fused_qkv = FusedLinears(attn, ("q_proj", "k_proj") + (("v_proj",) if attn.sliding else ()))
-            model._fused.append(attn.fused_qkv)
-        for mlp in [block.mlp for block in model.layers] + [model.self_conditioning]:
-            mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
-            model._fused.append(mlp.fused_gate_up)
     options = dict(torch._inductor.list_mode_options(mode))
     options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
-    model._compile_state = CompileState(model, mode)
-    if background:  # only this thread runs the compiled functions until `release_compiled`
-        model._compile_state.owner = threading.current_thread()
-    model._compile_options = options
-    # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
-    model.decode_canvas = model.compiled_function(model.decode_canvas, mark=True)
-    model._compiled_encoder = model.compiled_function(model.encode_tokens)
+    model.compiled = CompiledSteps(model, mode, options, background)
     return model
+
+
+def is_compiled(model) -> bool:
+    """Whether the model's decoder step runs compiled: `compile_model` ran and compiling has not failed (it
+    compiles the decoder and the encoder's layers together)."""
+    return model.compiled is not None and not model.compiled.state.failed
+
+
+def release_compiled(model):
+    """After `compile_model(background=True)`: every thread runs the compiled functions from now on."""
+    if model.compiled is not None:
+        model.compiled.state.owner = None
+
+
+def compiled_function(model, fn, *, mark: bool = False, **compile_kwargs):
+    """`fn` compiled with the model's options, falling back to eager with its other compiled functions (the
+    engine compiles its sampler scan with this); `fn` itself when the model runs eagerly."""
+    if not is_compiled(model):
+        return fn
+    return model.compiled.function(fn, mark=mark, **compile_kwargs)
+
+
+class CompiledSteps:
+    """A model's compiled functions, made by `compile_model` and held as `model.compiled`: `decode_canvas`
+    and `encode_tokens` (the network's compile boundaries, functions of tensors alone) wrapped in
+    `CompiledOrEager`, sharing one `CompileState` and the inductor options, and the fused projection copies
+    their graphs read (`FusedLinears`, on a CPU), brought up to date before each call."""
+
+    def __init__(self, model, mode: str, options: dict, background: bool):
+        for module in model.modules():
+            prepare = getattr(module, "prepare_for_compile", None)  # the routed experts: one custom op
+            if prepare is not None:
+                prepare()
+        self.fused: list[FusedLinears] = []
+        if model.device.type == "cpu":  # projections that read the same input as one matmul (FusedLinears)
+            for block in model.layers:
+                attn = block.self_attn
+                attn.fused_qkv = FusedLinears(attn, ("q_proj", "k_proj") + (("v_proj",) if attn.sliding else ()))
+                self.fused.append(attn.fused_qkv)
+            for mlp in [block.mlp for block in model.layers] + [model.self_conditioning]:
+                mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
+                self.fused.append(mlp.fused_gate_up)
+        self.state = CompileState(model, mode)
+        if background:  # only this thread runs the compiled functions until `release_compiled`
+            self.state.owner = threading.current_thread()
+        self.options = options
+        # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
+        self._decoder = self.function(model.decode_canvas, mark=True)
+        self._encoder = self.function(model.encode_tokens)
+
+    def function(self, fn, *, mark: bool = False, **compile_kwargs) -> CompiledOrEager:
+        return CompiledOrEager(fn, self.state, mark=mark, **{"options": self.options, **compile_kwargs})
+
+    def refresh_fused(self):
+        """Bring the fused projection weights up to date with the layers' own, before a compiled call: a few
+        attribute reads per layer when nothing changed."""
+        for fused in self.fused:
+            fused.refresh()
+
+    def decode_canvas(self, *args):
+        """`DiffusionGemma.decode_canvas`, compiled."""
+        self.refresh_fused()
+        return self._decoder(*args)
+
+    def encode_tokens(self, *args):
+        """`DiffusionGemma.encode_tokens`, compiled."""
+        self.refresh_fused()
+        return self._encoder(*args)
 
 
 class FusedLinears:
@@ -287,7 +362,7 @@ class FusedLinears:
     matmul instead of several (on 2 CPU cores at a canvas's 256 rows, q|k|v ~90 us faster per layer than
     three matmuls, gate|up ~30 us). A copy beside the layers' own weights (bench-20m: 6.9 MB more, 17% of
     its weights; the routed experts, most of a large MoE, are not copied), used by compiled graphs on a CPU
-    (`DiffusionGemma.compile_decoder` makes it), and made again by `refresh` whenever a weight changed in
+    (`compile_model` makes it), and made again by `refresh` whenever a weight changed in
     place (its version counter), was replaced, or its layer is no longer a plain nn.Linear (LoRA,
     quantised): then `weight` is None and the layers run one by one. (Views into one fused tensor would
     save the copy, but safetensors refuses to save weights that share memory.)"""

@@ -24,13 +24,13 @@ Attention itself, norms and the router stay in floating point.
 
 from __future__ import annotations
 
-import functools
 import os
-import platform
 import sys
 
 import torch
 from torch import nn
+
+from dgemma import devices
 
 MODES = ("auto", "on", "off")
 LIBRARIES = ("auto", "openvino", "torch")
@@ -50,31 +50,18 @@ MAX_EXACT_K = 1 << 17
 MIN_TABLE_ENTRIES = 1 << 24
 
 
-@functools.cache
-def cpu_has_int8_dot() -> bool:
-    """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
-
-
 def resolve(mode: str, model: nn.Module) -> bool:
     """Whether integer compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
     (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
     if mode not in MODES:
         raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "off" or not getattr(model, "quantization", None):
+    if mode == "off" or not model.quantization:
         return False
     if model.device.type != "cpu":
         if mode == "on":
             raise ValueError("int8 compute is a CPU path; this model is on " + model.device.type)
         return False
-    return mode == "on" or cpu_has_int8_dot()
+    return mode == "on" or devices.cpu_has_int8_dot()
 
 
 def quantize_rows(x: torch.Tensor):
@@ -227,7 +214,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
         library = os.environ.get("DGEMMA_CPU_KERNELS", "auto")
     if not resolve(mode, model):
         return False
-    if getattr(model, "integer_compute_on", False):
+    if model.integer_compute_on:
         return True
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):
@@ -254,13 +241,13 @@ def _experts_to_library(model: nn.Module, required: bool):
             raise ValueError(library.unavailable())
         return
     modules = [m for m in model.modules() if hasattr(m, "library") and library.applies(m)
-               and (not m.kernel_layout or all(kernel_layout_widens(getattr(m, f"{n}_q").shape[1])
+               and (not m.kernel_layout or all(devices.int4_kernel_layout_known(getattr(m, f"{n}_q").shape[1])
                                                for n in ("gate_up_proj", "down_proj")))]  # a layout it reads
     if not modules:
         return
     need = int(library.MEMORY_FACTOR * library.expert_bytes(model))
-    free = library.available_memory_bytes()
-    if free is not None and need > free:
+    free = devices.available_host_memory()
+    if need > free:
         print(f"note: routed experts stay on torch's int4 kernel: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB, "
               f"{free / 2**30:.1f} GiB available", file=sys.stderr)
         return
@@ -270,19 +257,13 @@ def _experts_to_library(model: nn.Module, required: bool):
           "for its copy of their weights)", file=sys.stderr)
 
 
-def kernel_layout_widens(rows: int) -> bool:
-    """Whether the widener reads torch's CPU int4 kernel layout of a weight with `rows` output rows: whole
-    blocks of 64 rows, as torch packs them on an AVX-512 CPU (on AVX2 it packs another way)."""
-    return rows % 64 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):
     """An int8 weight -> its channel scales (requantising it in place); an int4 one -> its Int4Widener, or None
     where the int4 kernel's layout is not the one the widener reads (the int4 path then runs)."""
     q, scales = getattr(module, codes_name), getattr(module, scales_name)
     if module.fmt == "int8":
         return to_channel_scales(q, scales)
-    if module.kernel_layout and not kernel_layout_widens(q.shape[-2]):
+    if module.kernel_layout and not devices.int4_kernel_layout_known(q.shape[-2]):
         return None
     return Int4Widener(scales, bool(module.kernel_layout))
 

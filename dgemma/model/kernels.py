@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from dgemma import devices
 from dgemma.model import int8_compute
 from dgemma.model.experts import Experts
 from dgemma.model.quant import QuantExperts, QuantLinear
@@ -53,7 +54,7 @@ def kernels(model: nn.Module, rows: int) -> dict:
     elif experts is not None:
         out["experts"] = f"{dtype} matmuls (grid or per expert)"
     out["projections"] = _quantised_kernel(linear, rows) if isinstance(linear, QuantLinear) else f"{dtype} matmul"
-    head = "int8 x int8 table (torch._int_mm)" if getattr(model, "int8_table", None) is not None else f"{dtype} matmul"
+    head = "int8 x int8 table (torch._int_mm)" if model.int8_table is not None else f"{dtype} matmul"
     out["head"] = head
     out["expert_rows"] = expert_rows
     return out
@@ -61,20 +62,11 @@ def kernels(model: nn.Module, rows: int) -> dict:
 
 def cpu() -> dict:
     """The CPU's name, the instruction sets the kernels above depend on, torch's kernel level and threads."""
-    name, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    name, flags = devices.cpu_info()
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    return {"name": name, "flags": [f for f in wanted if f in flags], "torch_capability":
-            torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "int8_dot_products": int8_compute.cpu_has_int8_dot(), "cores": os.cpu_count()}
+    return {"name": name, "flags": [f for f in wanted if f in flags], "torch_capability": devices.cpu_capability(),
+            "threads": torch.get_num_threads(), "int8_dot_products": devices.cpu_has_int8_dot(),
+            "cores": os.cpu_count()}
 
 
 def load_average() -> float | None:

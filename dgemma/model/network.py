@@ -11,7 +11,10 @@ Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V voca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,11 +32,15 @@ from dgemma.model.attention import (
     rope_inv_freq,
     rope_tables,
 )
-from dgemma.model import compilation
 from dgemma.model.compilation import FusedLinears, fused_inside_graphs
 from dgemma.model.experts import Experts
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.vision import VisionEmbedder, VisionTower
+
+if TYPE_CHECKING:
+    from dgemma.model.adapters import AdapterRows
+    from dgemma.model.compilation import CompiledSteps
+    from dgemma.model.int8_compute import Int8Table
 
 
 # The eager LM head writes its fp32 logits a block of positions at a time (see `DiffusionGemma.head`), and
@@ -213,17 +220,51 @@ class SelfConditioning(GatedMLP):
         return self.post_norm(embeds + super().forward(self.pre_norm(soft)))
 
 
+@dataclass(frozen=True)
+class PreviousStep:
+    """What self-conditioning feeds the decoder: its prediction at the previous step on this canvas, as
+    softmax(logits / T) `probs` (B, L, V), what the sampler leaves in its logits buffer, or as their expected
+    embedding `embedding` (B, L, H), made with `DiffusionGemma.soft_embedding_from_probs` (an engine keeps that
+    and lets the (B, L, V) buffer go). `mask` (B,) bool: rows where False get no signal (training draws it per
+    row, as transformers' self_conditioning_mask)."""
+
+    probs: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.probs is None) == (self.embedding is None):
+            raise ValueError("PreviousStep holds the probabilities or their embedding: exactly one of them")
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, mask: torch.Tensor | None = None) -> PreviousStep:
+        """From the previous step's (temperature-scaled) logits (B, L, V)."""
+        return cls(probs=logits.softmax(dim=-1, dtype=torch.float32), mask=mask)
+
+
 class DiffusionGemma(nn.Module):
+    # why compile_model leaves this network eager whatever is asked (a split model: its collectives), or None
+    eager_only: str | None = None
+
     def __init__(self, config: ModelConfig, sampling_config: SamplingConfig | None = None):
         super().__init__()
         self.config = config
         self.sampling_config = sampling_config or SamplingConfig(
             eos_token_ids=(config.eos_token_id,), pad_token_id=config.pad_token_id
         )
-        self.hf_config: dict | None = None  # the config.json we were loaded from, kept for saving
+        # what loading (dgemma.model.checkpoint) records: the config.json and generation_config.json read
+        # (kept for saving), the folder (its tokenizer files are saved along), every checkpoint key's fate
+        self.hf_config: dict | None = None
         self.hf_generation_config: dict | None = None
+        self.source_dir: str | Path | None = None
+        self.load_report: dict[str, str] | None = None
         self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.model.quant
-        self.int8_table = None  # the table's int8 codes once integer compute is on (dgemma.model.int8_compute)
+        # integer compute (dgemma.model.int8_compute.enable): whether it is on, and the tied table's int8 codes
+        # (LM head, soft embedding) when the table is large enough to repay them
+        self.integer_compute_on = False
+        self.int8_table: Int8Table | None = None
+        # served LoRA adapters (dgemma.model.adapters.install_adapters): the adapter of each row of a forward
+        self.adapter_rows: AdapterRows | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -234,10 +275,9 @@ class DiffusionGemma(nn.Module):
             self.vision_tower = VisionTower(config.vision)
             self.embed_vision = VisionEmbedder(config.vision, config.hidden_size)
         self._inv_freq: dict = {}
-        self._compiled_encoder = None  # `encode_tokens` compiled, for passes without gradients
-        self._fused: list[FusedLinears] = []  # fused projection copies of the compiled CPU step
-        self._compile_state = None  # shared by the compiled functions (`dgemma.model.compilation`)
-        self._compile_options: dict = {}
+        # `decode_canvas` and `encode_tokens` under torch.compile, once dgemma.model.compilation.compile_model
+        # made them; `encode` and `denoise` call them instead of the eager ones
+        self.compiled: CompiledSteps | None = None
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -391,11 +431,9 @@ class DiffusionGemma(nn.Module):
             masks[sliding] = causal_mask(positions, key_positions[sliding], window, blocks)
         key_rope = {False: rope_tables(key_positions[False], self.inv_freq(False), self.dtype), True: None}
         prefixes = [cache.view(i, block.self_attn.sliding, rows)[:2] for i, block in enumerate(self.layers)]
-        # prompts with images run eagerly (rare, and a graph less to compile)
-        compiled = self._compiled_encoder is not None and not torch.is_grad_enabled() and images is None
-        layers = self._compiled_encoder if compiled else self.encode_tokens
-        if compiled:
-            self.refresh_fused()
+        # compiled for passes without gradients; prompts with images run eagerly (rare, and a graph less to compile)
+        compiled = self.compiled is not None and not torch.is_grad_enabled() and images is None
+        layers = self.compiled.encode_tokens if compiled else self.encode_tokens
         x, entries = layers(input_ids, prefixes, rope, key_rope, masks, images)
         for i, (block, (k, v)) in enumerate(zip(self.layers, entries)):
             cache.write(i, block.self_attn.sliding, rows, positions, k, v)
@@ -407,8 +445,9 @@ class DiffusionGemma(nn.Module):
         return self.head(x) if return_logits else None
 
     def encode_tokens(self, input_ids, prefixes, rope, key_rope, masks, images=None):
-        """The encoder's layers on tensors alone (its compile boundary): input_ids (B, T) -> hidden (B, T, H)
-        and every layer's cache entries (k, v), each (B, Hkv, T, D), v None on full layers.
+        """The encoder's layers on tensors alone (its compile boundary, compiled as `self.compiled`): input_ids
+        (B, T) -> hidden (B, T, H) and every layer's cache entries (k, v), each (B, Hkv, T, D), v None on full
+        layers.
 
         prefixes[i] = layer i's cached (keys, values or None), each (B, Hkv, S, D); the new tokens attend
         to them and to each other (`masks`), and the cache is written by the caller. images: None, or
@@ -427,12 +466,9 @@ class DiffusionGemma(nn.Module):
         return x, entries
 
     # -- decoder: bidirectional over the canvas, reads the cache -----------------------------
-    def soft_embedding(self, sc_logits: torch.Tensor) -> torch.Tensor:
-        """Previous step's logits (B, L, V) -> expected embedding (B, L, H), scaled like token embeddings."""
-        return self.soft_embedding_from_probs(sc_logits.softmax(dim=-1, dtype=torch.float32))
-
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
-        """softmax(previous logits) (B, L, V), as the sampler leaves it -> (B, L, H)."""
+        """softmax(previous logits) (B, L, V), as the sampler leaves it -> expected embedding (B, L, H), scaled
+        like token embeddings."""
         if self.int8_table is not None and not torch.is_grad_enabled():
             return self.int8_table.soft_embedding(probs, self.dtype) * self.embed_scale()
         return (probs.to(self.dtype) @ self.embed_tokens.weight) * self.embed_scale()
@@ -441,21 +477,15 @@ class DiffusionGemma(nn.Module):
         self,
         canvas_ids: torch.Tensor,
         cache: KVCache,
-        self_conditioning_logits: torch.Tensor | None = None,
         *,
-        self_conditioning_probs: torch.Tensor | None = None,
-        self_conditioning_mask: torch.Tensor | None = None,
-        soft_embedding: torch.Tensor | None = None,
+        self_conditioning: PreviousStep | None = None,
         prefix_length: torch.Tensor | None = None,
         rows: list[int] | torch.Tensor | None = None,
         return_hidden: bool = False,
     ):
         """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
-
-        Self-conditioning comes as the previous (temperature-scaled) logits, as their softmax (what
-        `sampler_step` leaves in its buffer), or, to spare a (B, L, V) buffer, as the `soft_embedding`
-        (B, L, H) made earlier with `soft_embedding()` / `soft_embedding_from_probs()`.
-        """
+        `self_conditioning`: the previous step's prediction on this canvas (`PreviousStep`); None at its first
+        step, which is an exactly zero signal."""
         B, L = canvas_ids.shape
         if prefix_length is None:  # generation: the same tables for every step of a canvas
             rope, key_rope, masks = cache.tables_for_positions(
@@ -463,22 +493,20 @@ class DiffusionGemma(nn.Module):
         else:
             rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
 
-        soft = soft_embedding
-        if self_conditioning_logits is not None:
-            soft = self.soft_embedding(self_conditioning_logits)
-        elif self_conditioning_probs is not None:
-            soft = self.soft_embedding_from_probs(self_conditioning_probs)
-        if soft is not None and self_conditioning_mask is not None:
-            soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        soft = None  # (B, L, H)
+        if self_conditioning is not None:
+            previous = self_conditioning
+            soft = previous.embedding if previous.probs is None else self.soft_embedding_from_probs(previous.probs)
+            if previous.mask is not None:
+                soft = soft * previous.mask.to(soft.dtype)[:, None, None]
         if cache.canvas_slots == L and not torch.is_grad_enabled():
-            # generation: the canvas goes into the cache's reserved slots, through the compiled step
-            # when `compile_decoder` was called. A zero signal gives exactly what no signal gives (the
-            # MLP of zero is zero), and one graph fewer.
+            # generation: the canvas goes into the cache's reserved slots, through the compiled step once
+            # there is one. A zero signal gives exactly what no signal gives (the MLP of zero is zero), and
+            # one graph fewer.
             if soft is None:
                 soft = torch.zeros(B, L, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            self.refresh_fused()
-            return self.decode_canvas(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks,
-                                      return_hidden)
+            decode = self.decode_canvas if self.compiled is None else self.compiled.decode_canvas
+            return decode(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks, return_hidden)
         # training (keep_all cache) or gradients: the canvas's entries concatenated before the prefix
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
@@ -489,7 +517,7 @@ class DiffusionGemma(nn.Module):
 
     def decode_canvas(self, canvas_ids, soft, buffers, rope, key_rope, masks, return_hidden: bool = False):
         """The decoder from canvas ids to logits (B, L, V) fp32, or the hidden states (B, L, H), on tensors
-        alone (the compile boundary).
+        alone: the compile boundary (`dgemma.model.compilation.compile_model` compiles it as `self.compiled`).
 
         buffers[i] = (keys, values or None), each (B, Hkv, L + S, D) [canvas | prefix] for layer i: the
         canvas's own entries are written into the first L slots, then the layer attends to all of it.
@@ -499,56 +527,6 @@ class DiffusionGemma(nn.Module):
             s = block.self_attn.sliding
             x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
-
-    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None, background: bool = False):
-        """Compile `decode_canvas` with torch.compile (inductor), and the encoder's layers (`encode_tokens`)
-        for passes without gradients: prompts, committed canvases and autoregressive tokens.
-
-        Every denoising step of a canvas has the same shapes, so it compiles once per (batch, prefix)
-        shape (then once with dynamic shapes). On CPU the routed experts' grid is traced into the graph
-        (`Experts._traced_grid`); elsewhere, and for quantised experts, they stay one opaque op.
-
-        `mode` defaults by device (`dgemma.model.compilation`): on a CPU "max-autotune-no-cudagraphs",
-        which lets inductor time its own kernels against ATen's and keep the faster (its choices follow
-        timings, so they can vary between runs on a noisy machine: benchmarks/README.md); on CUDA
-        "default" (no autotuning, no CUDA graphs: the step writes into the KV cache, its input).
-        On a CPU the projections that read the same input run as one matmul in the compiled graphs (q|k|v,
-        gate|up: `FusedLinears`, a fused copy of those weights, kept in step with them before each call).
-        `cpp_wrapper` (default: on CPU) has inductor write the code that calls the step's ~200 kernels and
-        allocates their buffers in C++ instead of Python: less interpreter time per step, against a slower
-        first compile. Compiled code goes to torch's on-disk caches, so a second start is quick. Where
-        compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eagerly after one
-        warning line; `decoder_compiled` then says False. No torch setting is left changed: the one dynamo
-        setting the graphs need is set only while a compiled call runs (`compilation.dynamo_settings`).
-        `background`: only the calling thread runs the compiled functions (it warms them up) until
-        `release_compiled()`; other threads run eagerly meanwhile (`dgemma.model.compilation`).
-        """
-        return compilation.compile_model(self, mode, cpp_wrapper, background=background)
-
-    def release_compiled(self):
-        """After `compile_decoder(background=True)`: every thread runs the compiled functions from now on."""
-        if self._compile_state is not None:
-            self._compile_state.owner = None
-
-    def compiled_function(self, fn, *, mark: bool = False, **compile_kwargs):
-        """`fn` compiled with this model's options, falling back to eager with the model's other compiled
-        functions (the engine compiles its sampler scan with this). `fn` itself if nothing is compiled."""
-        if self._compile_state is None or self._compile_state.failed:
-            return fn
-        return compilation.CompiledOrEager(fn, self._compile_state, mark=mark,
-                                           **{"options": self._compile_options, **compile_kwargs})
-
-    def refresh_fused(self):
-        """Bring the compiled step's fused projection weights (`FusedLinears`) up to date with the layers'
-        own, before a compiled call: a few attribute reads per layer when nothing changed."""
-        for fused in self._fused:
-            fused.refresh()
-
-    @property
-    def decoder_compiled(self) -> bool:
-        """Whether the decoder step runs compiled: `compile_decoder` ran and compiling has not failed (it
-        compiles the decoder and the encoder's layers together)."""
-        return self._compiled_encoder is not None and not self._compile_state.failed
 
     def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows, at_cache_lengths=False):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of

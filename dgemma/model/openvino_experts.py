@@ -143,14 +143,3 @@ def expert_bytes(model: nn.Module) -> int:
     """The int4 codes and scales of every QuantExperts the OpenVINO graphs would take."""
     return sum(t.numel() * t.element_size() for m in model.modules() if applies(m)
                for t in (m.gate_up_proj_q, m.down_proj_q, m.gate_up_proj_scales, m.down_proj_scales))
-
-
-def available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -22,7 +22,7 @@ The collectives are hand-written c10d calls, each named where it runs, rather th
 the shards (`dgemma.model.parallel_load`) and quantises it into dgemma's int8/int4 modules, which are
 not DTensor-aware, and a DTensor's per-op dispatch would sit on each of a denoising step's few hundred
 small ops. The process group comes from a DeviceMesh (`torch.distributed.device_mesh.init_device_mesh`).
-Split models run eagerly (`compile_decoder` says so once).
+Split models run eagerly (`compile_model` says so once).
 
 The split keeps every module and parameter name, so a checkpoint's keys map one to one onto slices; the
 split classes below are the network's own classes with forwards that add the collectives, swapped in
@@ -31,7 +31,6 @@ place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard`
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +234,7 @@ class SplitDiffusionGemma(DiffusionGemma):
     tp: TensorParallel
     local_config: ModelConfig  # the heads this rank holds: what its KV cache is shaped by
     vocab_start: int
+    eager_only = "a tensor-parallel model runs eagerly (its collectives are not compiled)"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.embed_tokens.weight.shape[0]
@@ -259,9 +259,6 @@ class SplitDiffusionGemma(DiffusionGemma):
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
 
-    def compile_decoder(self, mode: str | None = None, cpp_wrapper: bool | None = None):
-        print("note: a tensor-parallel model runs eagerly (its collectives are not compiled)", file=sys.stderr)
-        return self
 
 
 def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dgemma import devices
 from dgemma.model import int8_compute
 from dgemma.model.experts import Experts
 from dgemma.model.layers import gated_gelu
@@ -297,8 +298,8 @@ def cpu_int4_kernel_applies(model: nn.Module, device: torch.device | None = None
     """Whether `use_cpu_int4_kernel` applies: an int4 model in bf16 on a CPU (its device and dtype, or those
     given for a model still on the meta device)."""
     device, dtype = device or model.device, dtype or model.dtype
-    return (getattr(model, "quantization", None) in ("int4", None) and device.type == "cpu"
-            and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    return (model.quantization in ("int4", None) and device.type == "cpu"
+            and dtype == torch.bfloat16 and devices.has_cpu_int4_kernel())
 
 
 def kernel_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,11 +3,10 @@
 Routes
   GET  /                      the playground (static files in ./static, no network needed)
   GET  /health                {"status": "ok", "step": "eager" | "compiling" | "compiled", "active", ...};
-                              no API key needed; 503 {"status": "draining"} while stopping (shutdown.py)
+                              no API key needed; 503 {"status": "draining"} while stopping (lifecycle.py)
   GET  /metrics               Prometheus text format (metrics.py); the API key applies
-  GET  /openapi.json          the API's schema: request bodies are the models that validate them (protocol.py,
-                              chat_protocol.py), responses the models that build them (responses.py, errors.py);
-                              the API key applies
+  GET  /openapi.json          the API's schema: request bodies are the models that validate them (requests.py),
+                              responses the models that build them (responses.py); the API key applies
   GET  /docs                  Swagger UI over /openapi.json (served from here, no CDN)
   GET  /v1/models             the served model, with a `dgemma` field (task, canvas, defaults), and its LoRA
                               adapters (`dgemma serve --lora NAME=PATH`), each by name with its `parent`
@@ -16,8 +15,8 @@ Routes
   POST /v1/chat/completions   messages -> reply, through the model's chat template; user messages may
                               hold images (image_url parts) when the model has a vision tower
 
-Requests are run through the engine by handlers.py; every failure a client can cause is a 4xx in OpenAI's
-error shape (http_plumbing.py), and the server keeps running.
+Requests are run through the engine by completions.py; every failure a client can cause is a 4xx in OpenAI's
+error shape (responses.py, middleware.py), and the server keeps running.
 """
 
 from __future__ import annotations
@@ -33,17 +32,15 @@ from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from dgemma.chat.codec import PromptError
+from dgemma.model.compilation import is_compiled
 from dgemma.serving import openapi
 from dgemma.serving import responses as bodies
-from dgemma.serving.chat_protocol import ChatCompletionRequest
-from dgemma.serving.adapters import adapter_card, no_adapter_scoring
-from dgemma.serving.errors import APIError, bad_request
-from dgemma.serving.handlers import echo_only, generate, score, tool_constraint
-from dgemma.serving.http_plumbing import JSONBodyRoute, add_error_handlers
+from dgemma.serving.completions import echo_only, generate, score, tool_constraint
 from dgemma.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from dgemma.serving.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dgemma.serving.middleware import JSONBodyRoute, Traffic, TrafficMiddleware, add_error_handlers
+from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dgemma.serving.responses import APIError, bad_request
 from dgemma.serving.state import ServerState
-from dgemma.serving.traffic import Traffic, TrafficMiddleware
 
 STATIC = Path(__file__).parent / "static"
 
@@ -109,17 +106,17 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
                                                        **openapi.error_responses(401)})
     async def models():
         """The served model, with a `dgemma` field: task, canvas, images, limits and sampler defaults; then
-        its LoRA adapters (serving/adapters.py)."""
-        cards = [_model_card(state).wire()] + [adapter_card(state, n) for n in state.adapters]
+        its LoRA adapters (`dgemma serve --lora NAME=PATH`)."""
+        cards = [_model_card(state).wire()] + [_adapter_card(state, n) for n in state.adapters]
         return {"object": "list", "data": cards}
 
-    # any_text: http_plumbing.AnyText, so that every id (line breaks included) reaches the check
+    # any_text: middleware.AnyText, so that every id (line breaks included) reaches the check
     @v1.get("/models/{model_id:any_text}", response_model=None,
             responses={200: {"model": bodies.ModelCard}, **openapi.error_responses(401, 404)})
     async def model(model_id: str):
         """The served model's card, or an adapter's; another id is a 404 (model_not_found)."""
         adapter = _check_model(state, model_id)
-        return _model_card(state).wire() if adapter == 0 else adapter_card(state, model_id)
+        return _model_card(state).wire() if adapter == 0 else _adapter_card(state, model_id)
 
     @v1.post("/completions", response_model=None,
              responses=openapi.generation_responses(bodies.Completion, bodies.CompletionChunk))
@@ -131,7 +128,9 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
         # echo: the prompt as sent, or decoded from its ids
         echoes = [p if isinstance(p, str) else state.codec.decode(ids) for p, ids in zip(body.prompt, prompts)]
         if body.scoring:
-            no_adapter_scoring(adapter)
+            if adapter != 0:
+                raise bad_request("scoring (logprobs with max_tokens 0 or 1) runs the base model only; send the "
+                                  "base model's name", param="model")
             return await score(state, request, body, prompts, echoes)
         if body.max_tokens == 0:
             return echo_only(state, body, prompts, echoes)
@@ -206,7 +205,7 @@ def _add_metrics(app: FastAPI, state: ServerState):
 def _step_kind(state: ServerState) -> str:
     if state.step_kind is not None:
         return state.step_kind()
-    return "compiled" if state.worker.model.decoder_compiled else "eager"
+    return "compiled" if is_compiled(state.worker.model) else "eager"
 
 
 def _version() -> str:
@@ -219,8 +218,7 @@ def _version() -> str:
 
 
 def _openapi(app: FastAPI) -> dict:
-    """The schema, built once: request bodies from protocol.py's and chat_protocol.py's models, responses from
-    responses.py's and errors.py's."""
+    """The schema, built once: request bodies from requests.py's models, responses from responses.py's."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
                              description="dgemma's extensions ride in the OpenAI bodies: the diffusion sampler's "
@@ -300,3 +298,11 @@ def _model_card(state: ServerState) -> bodies.ModelCard:
                                   max_queue=state.worker.max_queue, defaults=defaults)
     return bodies.ModelCard(id=state.model_name, object="model", created=state.created, owned_by="dgemma",
                             dgemma=extra)
+
+
+def _adapter_card(state: ServerState, name: str) -> dict:
+    """A LoRA adapter in /v1/models, with its `parent` (the base model) as vLLM lists them."""
+    i = state.adapters.index(name)
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "dgemma",
+            "parent": state.model_name, "root": state.adapter_paths[i] if state.adapter_paths else None,
+            "dgemma": {"kind": "lora"}}

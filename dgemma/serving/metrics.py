@@ -2,7 +2,7 @@
 
 Each app has its own CollectorRegistry, so several servers in one process (tests) keep their own counts.
 Three places feed it:
-  - the HTTP layer (traffic.py): requests by route and status, errors by kind (the OpenAI error's `code`,
+  - the HTTP layer (middleware.py): requests by route and status, errors by kind (the OpenAI error's `code`,
     else its `type`), requests in flight;
   - the engine thread (worker.py calls `EngineObserver`): step time and rows per step, prompt and generated
     tokens and denoising steps per canvas when a request finishes, engine failures;

@@ -1,9 +1,9 @@
 """What the server answers, as OpenAPI responses, and the pages that publish the API.
 
 Every body of /openapi.json is the pydantic model that makes or reads it: requests the models that validate
-them (protocol.py, chat_protocol.py), answers the models the routes build them with (responses.py, and
-errors.py for OpenAI's error shape). The fuzz test (tests/test_server_fuzz.py) checks every response it
-provokes against the published schemas.
+them (requests.py), answers the models the routes build them with (responses.py, OpenAI's error shape
+included). The fuzz test (tests/test_server_fuzz.py) checks every response it provokes against the published
+schemas.
 Streams (`stream: true`) are documented as `text/event-stream`; each event is one of responses.py's chunk models.
 
 /docs is Swagger UI from the swagger-ui-bundle-v2 package, served from this server (no CDN: the server
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from dgemma.serving.errors import ErrorResponse
-from dgemma.serving.responses import ChatCompletionChunk, CompletionChunk
+from dgemma.serving.responses import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
 ERRORS = {
     400: "bad input: a wrong type, a value out of range, malformed JSON, an unsupported field or schema, a prompt "
@@ -98,7 +97,7 @@ def swagger_ui_folder() -> str:
 
 def without_422(schema: dict) -> dict:
     """FastAPI documents a 422 on every route that takes input; this server answers a bad body or parameter
-    with a 400 in OpenAI's shape (http_plumbing.py's handler), already documented where it can happen."""
+    with a 400 in OpenAI's shape (middleware.py's handler), already documented where it can happen."""
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.get("responses", {})

@@ -1,28 +1,35 @@
 """Replicas behind Ray Serve (`dgemma serve --replicas N`): N whole dgemma servers, one OpenAI endpoint in front.
 
-Each replica is a Ray actor that builds what one `dgemma serve` builds (its own model, engine worker and
-codec: `build_state`) and serves the same FastAPI app (`create_app`) through Ray Serve's ingress, lifespan
-included, so the engine thread starts and stops with the replica. Ray Serve's HTTP proxy sends each request
-to the less busy of two replicas drawn at random, passes server-sent events through as they are written,
-and starts a new replica when one dies or fails its health check (the engine thread stopped). Every answer
-names the replica that wrote it in an `x-dgemma-replica` header.
+Each replica is a Ray actor that builds what one `dgemma serve` builds from the same settings (its own model,
+engine worker and codec: server.py's `build_state`) and serves the same FastAPI app (`create_app`) through Ray
+Serve's ingress, lifespan included, so the engine thread starts and stops with the replica. Ray Serve's HTTP
+proxy sends each request to the less busy of two replicas drawn at random, passes server-sent events through
+as they are written, and starts a new replica when one dies or fails its health check (the engine thread
+stopped). Every answer names the replica that wrote it in an `x-dgemma-replica` header.
 
-Only commands/serve.py imports this module; it needs the `ray` extra (`pip install 'dgemma[ray]'`).
+`serve_replicas` runs the replicas for `dgemma serve --replicas N`; `application` is the same application for
+Ray's own tools (commands/serve.py's `ray_app`). This module needs the `ray` extra (`pip install 'dgemma[ray]'`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import re
 import signal
+import socket
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import ray
 from ray import serve
 
 from dgemma.serving.app import create_app
-from dgemma.serving.state import ServerState
+from dgemma.serving.server import ModelLoader, ServerSettings, StartupError, announce, build_state
 
 APP_NAME = "dgemma"
 REPLICA_HEADER = "x-dgemma-replica"
@@ -34,6 +41,35 @@ class ReplicaPlan:
     cpus: float  # Ray's CPU resource per replica; the replica's torch threads follow it
     gpus: float  # 1 for an engine on CUDA; 0 hides the GPUs from the replica (Ray sets CUDA_VISIBLE_DEVICES)
     max_ongoing: int  # requests Ray sends one replica at a time: its batch plus its queue, so 429s are the engine's
+
+
+def plan_replicas(settings: ServerSettings, local: bool) -> ReplicaPlan:
+    """What each replica reserves. `local`: on a Ray instance of this machine's own, whose cores are shared out."""
+    count = settings.replicas or 1
+    cpus = settings.cpus_per_replica
+    if cpus is None:
+        cpus = max(1, len(os.sched_getaffinity(0)) // count) if local else 1
+    return ReplicaPlan(replicas=count, cpus=cpus, gpus=_gpus_per_replica(settings),
+                       max_ongoing=settings.max_batch + settings.max_queue)
+
+
+def _gpus_per_replica(settings: ServerSettings) -> float:
+    if settings.gpus_per_replica is not None:
+        return settings.gpus_per_replica
+    from dgemma import devices
+
+    if settings.device.startswith("cuda"):
+        return 1
+    return 1 if settings.device == "auto" and devices.cuda_available() else 0
+
+
+def build_replica_state(settings: ServerSettings, loader: ModelLoader):
+    """`build_state` in a replica: a model given as a Hugging Face id is fetched into this node's cache."""
+    from dgemma.model.hub import is_hub_id, resolve_model
+
+    if not Path(settings.model).is_dir() and is_hub_id(settings.model_id):
+        settings = replace(settings, model=str(resolve_model(settings.model_id, settings.revision)))
+    return build_state(settings, loader)
 
 
 class ReplicaHeader:
@@ -58,11 +94,11 @@ class ReplicaHeader:
 @serve.deployment(name="DGemma")
 @serve.ingress()  # the app is built per replica, from the state its constructor loaded
 class DGemmaReplica:
-    def __init__(self, build_state: Callable[[], ServerState], threads: int):
+    def __init__(self, settings: ServerSettings, loader: ModelLoader, threads: int):
         import torch
 
         torch.set_num_threads(threads)
-        self.state = build_state()
+        self.state = build_replica_state(settings, loader)
 
     def __serve_build_asgi_app__(self):
         app = create_app(self.state)
@@ -87,18 +123,58 @@ def start_ray(address: str | None) -> dict:
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # the replicas' warnings and errors still reach stderr
 
 
-def application(build_state: Callable[[], ServerState], plan: ReplicaPlan):
-    """The replicas as a Ray Serve application, for `serve.run` (this command) or Ray's `serve run`/`serve deploy`."""
+def application(settings: ServerSettings, loader: ModelLoader, plan: ReplicaPlan | None = None):
+    """The replicas as a Ray Serve application, for `serve.run` (`serve_replicas`) or Ray's `serve run`/`serve
+    deploy` (`plan`: on a cluster by default)."""
+    plan = plan or plan_replicas(settings, local=False)
     deployment = DGemmaReplica.options(
         num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
         ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=QUIET)
-    return deployment.bind(build_state, max(1, int(plan.cpus)))
+    return deployment.bind(settings, loader, max(1, int(plan.cpus)))
 
 
-def serve_replicas(build_state: Callable[[], ServerState], plan: ReplicaPlan, *, host: str, port: int,
-                   announce: Callable[[], None], local: bool) -> int:
-    """Deploy `plan.replicas` replicas behind one proxy on host:port and serve until SIGINT or SIGTERM.
-    `local`: Serve and Ray were started for this command, and stop with it."""
+def serve_replicas(settings: ServerSettings, loader: ModelLoader) -> int:
+    """`dgemma serve --replicas N`: the replicas on the Ray cluster at --ray-address, or on a private Ray instance
+    of this machine, behind one endpoint at --host/--port until SIGINT or SIGTERM. A StartupError when the
+    cluster cannot hold them or they fail to start."""
+    count, local = settings.replicas or 1, settings.ray_address is None
+    plan = plan_replicas(settings, local)
+    port = _port_for_ray(settings.host, settings.port)
+    resources = start_ray(settings.ray_address)
+    for name, need in (("CPU", plan.cpus), ("GPU", plan.gpus)):
+        if count * need > resources.get(name, 0):
+            raise StartupError(f"{count} replicas of {need:g} {name}s need {count * need:g}; the Ray cluster has "
+                               f"{resources.get(name, 0):g} (--cpus-per-replica, --gpus-per-replica)")
+    print(f"dgemma serve: starting {count} replicas on Ray Serve ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs each)",
+          file=sys.stderr, flush=True)
+    try:
+        return _deploy(application(settings, loader, plan), host=settings.host, port=port, local=local,
+                       announce=functools.partial(announce, settings, f"{count} replicas", port))
+    except RuntimeError as e:  # Ray Serve gave up on the replicas (3 failed starts): say what they raised
+        raise StartupError(f"the replicas did not start: {_last_error_line(str(e))}") from None
+
+
+def _port_for_ray(host: str, port: int) -> int:
+    """`port` if it is free on this machine (0: a free one), for Ray Serve's proxy, which cannot report a port it
+    picked itself and fails in its own process when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        return sock.getsockname()[1]
+
+
+def _last_error_line(message: str) -> str:
+    """'TokenizerError: no tokenizer in DIR ...' from a message that holds a replica's traceback, else its last line."""
+    errors = re.findall(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception): .+)$", message, flags=re.MULTILINE)
+    return errors[-1] if errors else message.strip().splitlines()[-1]
+
+
+def _deploy(app, *, host: str, port: int, local: bool, announce: Callable[[], None]) -> int:
+    """Deploy `app` behind one proxy on host:port and serve until SIGINT or SIGTERM. `local`: Serve and Ray were
+    started for this command, and stop with it."""
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=QUIET)
 
@@ -108,7 +184,7 @@ def serve_replicas(build_state: Callable[[], ServerState], plan: ReplicaPlan, *,
     signal.signal(signal.SIGTERM, interrupt)
     try:
         # returns once every replica has loaded its model and passed its first health check
-        serve.run(application(build_state, plan), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         announce()
         while True:
             time.sleep(3600)

@@ -1,9 +1,13 @@
-"""Response bodies and stream chunks, in the shape of their endpoint (/v1/completions or /v1/chat/completions).
+"""Response bodies and stream chunks, in the shape of their endpoint (/v1/completions or /v1/chat/completions),
+and errors in OpenAI's shape.
 
 Each body is a pydantic model below, the one definition of its shape: the routes build their bodies with
 these models (`ChunkWriter` for the generation routes, app.py for the rest) and /openapi.json publishes them
 (openapi.py). A body is sent as `Body.wire()`: the fields that were given, null ones included, and none of
 the optional fields that were left out (a chunk has `usage` only when it is the usage chunk).
+
+Every 4xx and 5xx of the server is {"error": {"message", "type", "param", "code"}} (`APIError`); a request
+body that fails validation gets the 400 that names the field it got wrong (`validation_error`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.chat.tool_calls import openai_tool_call
+from dgemma.engine.scoring import PromptScores
 
 
 class Body(BaseModel):
@@ -23,6 +29,68 @@ class Body(BaseModel):
     def wire(self) -> dict:
         """The body as sent: the fields that were set (to None too), without the optional ones left out."""
         return self.model_dump(exclude_unset=True)
+
+
+# -- errors in OpenAI's shape ---------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, rate_limit_error or server_error")
+    param: str | None = Field(description="the request field at fault, when one is")
+    code: str | None = Field(description="e.g. model_not_found, context_length_exceeded, unsupported_schema, "
+                             "invalid_api_key, request_too_large, queue_full, invalid_image")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape; every 4xx and 5xx of this server has it."""
+
+    error: ErrorDetail
+
+
+class APIError(StarletteHTTPException):
+    """Becomes an OpenAI error body: {"error": {"message", "type", "param", "code"}}. An HTTPException, so that
+    FastAPI lets it through unchanged from anywhere, reading the body included."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(status_code=status, detail=message, headers=headers or {})
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 for pydantic's (or FastAPI's) first error, naming the field: "messages.0.role: Input should be ..."."""
+    error = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:  # FastAPI's prefix for the body
+        loc = loc[1:]
+    if error["type"] == "unsupported_field":
+        field = error["ctx"]["field"]
+        return bad_request(error["msg"], param=field)
+    if not loc:
+        if error["type"] == "missing":
+            return bad_request("the request body is empty; expected a JSON object")
+        if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            return bad_request("the request body must be a JSON object")
+    param = ".".join(str(part) for part in loc) or None
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if error["type"] == "missing":
+        message = "this field is required"
+    return bad_request(f"{param}: {message}" if param else message, param=param)
 
 
 # -- generation -----------------------------------------------------------------------------------------
@@ -356,3 +424,45 @@ class ChunkWriter:
         choices = [CompletionChoice(index=i, text=text, logprobs=LegacyLogprobs(**logprobs[i]) if logprobs else None,
                                     finish_reason=reason) for i, (text, reason) in enumerate(answers)]
         return Completion(object="text_completion", choices=choices, **common).wire()
+
+
+# -- scoring: OpenAI's legacy completions logprobs ------------------------------------------------------
+# Scored prompts as OpenAI's legacy completions `logprobs` object, the shape evaluation harnesses read.
+#
+#     {"tokens": [...], "token_logprobs": [null, ...], "top_logprobs": [null, {...}, ...], "text_offset": [...]}
+#
+# One entry per token: with `echo` the prompt's tokens (the first has no log-probability: nothing comes
+# before it), then, for max_tokens 1, the causal encoder's most likely next token. `tokens` holds each
+# token's own text (special tokens written out); `top_logprobs` the `logprobs` most likely tokens at that
+# position, keyed by their text; `text_offset` where each token's text begins in the choice's `text`.
+
+def scored_choice(codec, prompt: list[int], prompt_text: str, scores: PromptScores, *, echo: bool,
+                  next_token: bool, top: int) -> dict:
+    """The `text` and `logprobs` of one choice of a scoring request (max_tokens 0 or 1)."""
+    T = len(prompt)
+    ids, logprobs, alternatives = [], [], []
+    if echo:
+        ids += prompt
+        logprobs += [None] + scores.token_logprobs.tolist()
+        alternatives += [None] + [_top(codec, scores, t, top) for t in range(T - 1)]
+    if next_token:
+        ids.append(int(scores.top_ids[T - 1, 0]))
+        logprobs.append(float(scores.top_logprobs[T - 1, 0]))
+        alternatives.append(_top(codec, scores, T - 1, top))
+    # decoded in context: the next token's text is what it adds after the prompt (a space, say)
+    texts = codec.token_texts(prompt + ids[-1:] if next_token else prompt)[0 if echo else T:]
+    text = (prompt_text if echo else "") + "".join(texts[T:] if echo else texts)
+    offsets, at = [], 0
+    for piece in texts:
+        offsets.append(at)
+        at += len(piece)
+    return {"text": text, "logprobs": {"tokens": [codec.piece(t) for t in ids], "token_logprobs": logprobs,
+                                       "top_logprobs": alternatives, "text_offset": offsets}}
+
+
+def _top(codec, scores: PromptScores, position: int, top: int) -> dict[str, float]:
+    """The `top` most likely tokens at a position, by text (of two tokens with one text, the likelier)."""
+    out: dict[str, float] = {}
+    for token, logprob in zip(scores.top_ids[position, :top].tolist(), scores.top_logprobs[position, :top].tolist()):
+        out.setdefault(codec.piece(token), logprob)
+    return out

@@ -10,7 +10,7 @@ from dgemma.chat.codec import Codec
 from dgemma.config import SamplingConfig
 from dgemma.serving.image_urls import ImageReader
 from dgemma.serving.metrics import ServerMetrics
-from dgemma.serving.traffic import Traffic
+from dgemma.serving.middleware import Traffic
 from dgemma.serving.worker import EngineWorker
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -31,8 +31,8 @@ class ServerState:
     traffic: Traffic | None = None  # the same
     adapters: tuple[str, ...] = ()  # LoRA adapters served by name; adapter i + 1 in the engine is adapters[i]
     adapter_paths: tuple[str, ...] = ()  # where each was read from
-    background_compile: object = None  # serving/fast_start.BackgroundCompile, while one exists
-    step_kind: object = None  # () -> "eager" | "compiling" | "compiled" (serving/fast_start.py); None: fixed
+    background_compile: object = None  # serving/lifecycle.BackgroundCompile, while one exists
+    step_kind: object = None  # () -> "eager" | "compiling" | "compiled" (serving/lifecycle.py); None: fixed
 
     def served_name(self, adapter: int) -> str:
         """The `model` name of engine adapter index `adapter` (0: the base model)."""

@@ -91,7 +91,7 @@ class EngineWorker:
         self.failures = 0
         # told of engine steps, finished requests and failures, on the engine thread (serving/metrics.py)
         self.observer = None
-        # called on the engine thread between steps (serving/fast_start.py switches the compiled step in)
+        # called on the engine thread between steps (serving/lifecycle.py switches the compiled step in)
         self.between_steps = None
 
     # -- lifecycle -----------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dgemma import devices
+
 
 @dataclass
 class DistEnv:
@@ -37,8 +39,8 @@ class DistEnv:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    """--device for this process: "auto" as `dgemma.devices` resolves it; "cuda" is the process's own GPU."""
+    name = devices.resolve_device(name)
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)

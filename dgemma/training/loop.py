@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dgemma import devices
 from dgemma.config import ConfigError
 from dgemma.model.compilation import CPU_EAGER_ABOVE_PARAMS
 from dgemma.training import distributed as D
@@ -35,7 +36,6 @@ from dgemma.training.model_setup import (
     base_dtype,
     compile_for_training,
     configure_trainable,
-    native_bf16,
     resolve_model_config,
     resolve_precision,
 )
@@ -132,21 +132,7 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         f"{env.world_size} process(es) on {env.device.type}, "
         f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}, {numerics}")
 
-    if env.is_main and importlib.util.find_spec("matplotlib") is None:
-        say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
-    metrics = MetricsLog(out / "metrics.jsonl")
-    start_step = 0
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_partial_writes(out)
-    if saved is not None:
-        load_checkpoint(latest, env=env, model=model, optimizer=optimizer, lora=config.lora)
-        start_step = saved["step"]
-        say(f"resumed from {latest} (step {start_step})")
-    if env.is_main:
-        metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
-    D.barrier(env)
-
+    metrics, start_step = _open_run(config, env, out, model, optimizer, latest, saved, say)
     G = config.batch_size
     floor = config.min_lr if config.min_lr is not None else config.lr / 10
     stream = ExampleStream(len(dataset), config.seed)
@@ -202,17 +188,46 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         progress.close()
 
     seconds = time.perf_counter() - t0
-    if env.is_main:  # the last step always writes a checkpoint; one process streams it out (no gathering)
-        export_checkpoint(checkpoint_dir(out, stop), out / "model")
-        if config.lora:  # the adapter alone too, as PEFT writes it: served by name (dgemma serve --lora)
-            export_adapter(checkpoint_dir(out, stop), out / "adapter")
-        plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
-        say(f"done: {out / 'model'}")
-    records = metrics.read() if env.is_main else []
+    records = _export(config, env, out, stop, metrics, say)
     if records:
         last_loss = records[-1]["loss"]
     ran = max(stop - start_step, 0)
     return TrainResult(stop, last_loss, out / "model", records, seconds, ran / max(seconds, 1e-9))
+
+
+def _open_run(config: TrainConfig, env: D.DistEnv, out: Path, model, optimizer, latest, saved, say):
+    """The run's folder made ready: created (what a killed run left half written removed), the checkpoint
+    to resume from loaded into the model and optimizer, and the metrics log cut back to it. Returns (the
+    metrics log, the first step to run)."""
+    if env.is_main and importlib.util.find_spec("matplotlib") is None:
+        say("note: matplotlib is not installed, so no loss.png (pip install 'dgemma[plot]')")
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start_step = 0
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(out)
+    if saved is not None:
+        load_checkpoint(latest, env=env, model=model, optimizer=optimizer, lora=config.lora)
+        start_step = saved["step"]
+        say(f"resumed from {latest} (step {start_step})")
+    if env.is_main:
+        metrics.truncate_after(start_step)  # drop steps logged after the checkpoint by a killed run
+    D.barrier(env)
+    return metrics, start_step
+
+
+def _export(config: TrainConfig, env: D.DistEnv, out: Path, stop: int, metrics: MetricsLog, say) -> list[dict]:
+    """The run's end: its last checkpoint (the last step always writes one) streamed out as a Hugging Face
+    folder, OUT/model, by one process (no gathering), a LoRA run's adapter alone too, the final loss plot.
+    Returns the logged records (on the main process; none elsewhere)."""
+    if not env.is_main:
+        return []
+    export_checkpoint(checkpoint_dir(out, stop), out / "model")
+    if config.lora:  # the adapter alone too, as PEFT writes it: served by name (dgemma serve --lora)
+        export_adapter(checkpoint_dir(out, stop), out / "adapter")
+    plot_loss(metrics.read(), out / "loss.png", title=f"{config.objective} training loss")
+    say(f"done: {out / 'model'}")
+    return metrics.read()
 
 
 def _resume_point(config: TrainConfig, out: Path, say):
@@ -233,7 +248,7 @@ def _resolved_precision(config: TrainConfig, env: D.DistEnv, say) -> TrainConfig
     """--precision auto -> fp32 or bf16 for this device (before the resume check, which then compares like
     with like); bf16 asked for on a device without fast bf16 runs, after one warning line."""
     config = replace(config, precision=resolve_precision(config.precision, env.device))
-    if "bf16" in (config.precision, config.mixed_precision) and not native_bf16(env.device):
+    if "bf16" in (config.precision, config.mixed_precision) and not devices.native_bf16(env.device):
         say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
             "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
             "(--precision auto picks fp32 here)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dgemma import devices
 from dgemma.config import FULL, ConfigError, ModelConfig, get_preset
 from dgemma.model.checkpoint import read_json
 from dgemma.model.experts import Experts
@@ -81,21 +82,12 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     return config_from_init(init, overrides)
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` has fast bf16 matmuls: a CUDA GPU that supports bf16, or a CPU with AVX-512, where
-    oneDNN's bf16 kernels run. Without them (an AVX2 CPU, say), a bf16 matmul takes ATen's scalar fallback:
-    measured 42x slower than fp32 at the sudoku model's shapes, and a bf16-autocast training step 9x
-    slower (benchmarks/README.md, training steps)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """--precision auto -> bf16 where the device multiplies bf16 natively, else fp32; fp32 and bf16 stay."""
+    """--precision auto -> bf16 where the device multiplies bf16 natively (`dgemma.devices.native_bf16`: an
+    AVX2 CPU runs a bf16-autocast step 9x slower than fp32), else fp32; fp32 and bf16 stay."""
     if precision != "auto":
         return precision
-    return "bf16" if native_bf16(device) else "fp32"
+    return "bf16" if devices.native_bf16(device) else "fp32"
 
 
 def base_dtype(config) -> torch.dtype:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dgemma.model.network import PreviousStep
 from dgemma.training.data import Batch
 
 
@@ -122,7 +123,8 @@ def diffusion_losses(model, batch: Batch, noise: Noise, *, encoder_loss_weight: 
             first = model.denoise(noisy, cache, prefix_length=start)  # pass 1: no SC, no gradient
     else:  # every coin says "zeros": pass 1 would be masked out anyway
         first = torch.zeros(B, L, model.config.vocab_size, device=device)
-    logits = model.denoise(noisy, cache, first, self_conditioning_mask=use_sc, prefix_length=start)  # (B, L, V)
+    previous = PreviousStep.from_logits(first, mask=use_sc)
+    logits = model.denoise(noisy, cache, self_conditioning=previous, prefix_length=start)  # (B, L, V)
     diffusion = F.cross_entropy(logits.transpose(1, 2), clean, reduction="none").mean(1)  # (B,)
     return Losses(diffusion + encoder_loss_weight * ar, diffusion, ar)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -27,12 +28,8 @@ from dgemma.chat.tool_schema import calls_constraint
 from dgemma.config import ConfigError, SamplingConfig
 from dgemma.generation.canvas import most_new_tokens
 from dgemma.sampling import seed_or_random
-from dgemma.serving.chat_protocol import ChatCompletionRequest
-from dgemma.serving.errors import APIError, bad_request
-from dgemma.serving.http_plumbing import sse
-from dgemma.serving.protocol import CompletionRequest
-from dgemma.serving.responses import ChunkWriter, usage
-from dgemma.serving.scores import scored_choice
+from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest
+from dgemma.serving.responses import APIError, ChunkWriter, bad_request, scored_choice, usage
 from dgemma.serving.state import ServerState
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
@@ -246,6 +243,11 @@ def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
 
 # -- answers and streams ------------------------------------------------------------------------------
 
+def _sse(payload: dict) -> str:
+    """One server-sent event: `payload` as compact JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
 async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[str, object]]:
     """("draft", payload) / ("content" | "reasoning", text) / ("tool_call", call) / ("end", finish_reason)."""
     stream, assembler, output = choice.stream, choice.assembler, choice.output
@@ -314,27 +316,27 @@ async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter
         for choice in choices:
             first = writer.first(choice.index)
             if first is not None:
-                yield sse(first)
+                yield _sse(first)
             if choice.echo:
-                yield sse(writer.text(choice.echo, choice.index))
+                yield _sse(writer.text(choice.echo, choice.index))
         calls = [0] * len(choices)  # tool calls sent so far, per choice
         async for i, (kind, value) in _merged([_outputs(state, choice) for choice in choices]):
             if kind == "draft":
-                yield sse(writer.draft(value, i))
+                yield _sse(writer.draft(value, i))
             elif kind == "content":
-                yield sse(writer.text(value, i))
+                yield _sse(writer.text(value, i))
             elif kind == "reasoning":
-                yield sse(writer.reasoning(value, i))
+                yield _sse(writer.reasoning(value, i))
             elif kind == "tool_call":
-                yield sse(writer.tool_call(value, calls[i], i))
+                yield _sse(writer.tool_call(value, calls[i], i))
                 calls[i] += 1
             else:
-                yield sse(writer.finish(value, _stats(state, choices[i]), i))
+                yield _sse(writer.finish(value, _stats(state, choices[i]), i))
         if body.include_usage:
             completion = sum(len(c.assembler.tokens) for c in choices)
-            yield sse(writer.usage_chunk(usage(prompt_tokens, completion, _cached_tokens(choices, body.choices))))
+            yield _sse(writer.usage_chunk(usage(prompt_tokens, completion, _cached_tokens(choices, body.choices))))
     except APIError as e:  # the headers are gone; the error travels as an event (the client raises it)
-        yield sse(e.body())
+        yield _sse(e.body())
     finally:
         _cancel_all(state.worker, [c.stream for c in choices])  # the client left mid-stream: free the rows at once
     yield "data: [DONE]\n\n"
