@@ -27,7 +27,8 @@ dequantised weights. Each time is the median of `--repeats` calls, the systems t
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 15] [--moe] [--only expert,dense,attention,head]
 
-Prints a table, then one JSON line. Every library is optional: a missing one is reported, not a crash.
+Prints a table, then one JSON line. Every library is optional (`pip install 'dgemma[kernel-bench]'` installs
+them): a missing one is reported, not a crash.
 """
 
 from __future__ import annotations
