@@ -82,17 +82,43 @@ def default_dtype(device, hidden_size: int | None) -> torch.dtype:
 
 
 @functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and instruction-set flags, as Linux's /proc/cpuinfo lists them ("", {} elsewhere)."""
+    name, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return name, flags
+
+
+@functools.cache
 def cpu_has_int8_dot() -> bool:
     """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8): what makes
     `dgemma.model.int8_compute` pay."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_info()[1])
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory free for new allocations: Linux's MemAvailable (which counts reclaimable page
+    cache), elsewhere the free pages. Asked afresh each time: it changes."""
+    import os
+
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @functools.cache

@@ -21,11 +21,22 @@ def test_tiny_bench_prints_json(tmp_path):
     assert result["speedup_vs_transformers"] > 0 and result["speedup_vs_ar"] > 0
     assert all(r["tokens_per_s"] > 0 for r in result["results"])
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    ran = result["what_ran"]  # what the figures ran: kernels per part, int8 compute, threads, load
+    assert ran["int8_compute"] is False and ran["cpu"]["threads"] == 1
+    assert ran["canvas step (16 rows)"]["experts"] == f"{result['dtype']} matmuls (grid or per expert)"
+    assert "before" in ran["load_average"] and "after" in ran["load_average"]
+    assert "what ran: int8 compute off" in proc.stdout
 
 
 def test_bench_rejects_bad_batch():
     proc = subprocess.run([sys.executable, "-m", "dgemma", "bench", "--batch", "one"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--batch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_rejects_more_layers_than_the_preset_has():
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--layers", "5"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--layers takes 1 to 4" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bench_compiles_by_default_and_reports_both_engines(tmp_path):

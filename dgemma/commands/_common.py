@@ -267,21 +267,14 @@ def add_prefix_cache_arguments(p):
 
 def free_memory_bytes(device) -> int:
     """Memory free for new tensors on the model's device: CUDA's free memory, else the host's available
-    memory (Linux's MemAvailable, which counts reclaimable page cache; elsewhere the free pages)."""
-    import os
-
+    memory (`devices.available_host_memory`)."""
     import torch
+
+    from dgemma import devices
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return devices.available_host_memory()
 
 
 def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:

@@ -25,6 +25,9 @@ from dgemma.commands._common import (
 def add_arguments(p):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", default="bench-20m", help="preset with random weights (default bench-20m)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="--config's first N layers only (its widths and vocabulary kept): a large preset's step and "
+                        "its parts in a few GiB, for figures to scale up by depth")
     src.add_argument("--model", help="a model folder or Hugging Face id instead of random weights")
     add_revision_argument(p)
     p.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
@@ -77,6 +80,7 @@ def run(args):
 
     from dgemma.commands import bench_timing as timing
     from dgemma.generation.canvas import positions_needed
+    from dgemma.model import kernels
     from dgemma.model.compilation import compile_model, is_compiled
 
     try:
@@ -93,6 +97,7 @@ def run(args):
     torch.manual_seed(args.seed)
     model, name = _model(args, device, dtype)
     apply_int8_compute(args, model)
+    load_before = kernels.load_average()
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
@@ -104,6 +109,9 @@ def run(args):
     hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
+    ran = _what_runs(model, batches[0], load_before)
+    for line in _what_runs_lines(ran):
+        print("  " + line, file=sys.stderr)
 
     rows, budgets = [], {}
     prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
@@ -153,12 +161,15 @@ def run(args):
         print("  start-up: fresh processes to the first canvas (eager; compiled, cold cache; compiled, warm)",
               file=sys.stderr)
         startup = timing.measure_startup(args, device, dtype, compile_mode(args, model), new_tokens)
+    ran["load_average"]["after"] = kernels.load_average()
     _table(rows)
     if startup:
         _startup_table(startup)
+    print("what ran: " + "\n          ".join(_what_runs_lines(ran)))
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
     result["cpu_int8_compute"] = model.integer_compute_on
+    result["what_ran"] = ran
     result["startup"] = startup
     if tokens_check is not None:
         result["tokens_check"] = tokens_check
@@ -167,6 +178,37 @@ def run(args):
         result["plot"] = args.plot
     print(json.dumps(result))
     return 0
+
+
+def _what_runs(model, batch: int, load_before) -> dict:
+    """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the CPU,
+    threads and the load average: what a figure needs beside it to explain itself."""
+    from dgemma.model import kernels
+
+    canvas_rows = batch * model.config.canvas_length
+    out = {"int8_compute": model.integer_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
+           "quantize": getattr(model, "quantization", None),
+           f"canvas step ({canvas_rows} rows)": kernels.kernels(model, canvas_rows),
+           f"AR token ({batch} row{'s' if batch > 1 else ''})": kernels.kernels(model, batch),
+           "load_average": {"before": load_before}}
+    if model.device.type == "cpu":
+        out["cpu"] = kernels.cpu()
+    return out
+
+
+def _what_runs_lines(ran: dict) -> list[str]:
+    lines = [f"int8 compute {'on' if ran['int8_compute'] else 'off'}, {ran['dtype']}, weights {ran['quantize'] or 'unquantised'}"]
+    if "cpu" in ran:
+        cpu = ran["cpu"]
+        lines[0] += (f"; {cpu['name'] or 'CPU'} ({', '.join(cpu['flags']) or 'no AVX2'}; torch {cpu['torch_capability']}), "
+                     f"{cpu['threads']} threads on {cpu['cores']} cores")
+    load = ran["load_average"]
+    lines[0] += f"; load average {load['before']}" + (f" -> {load['after']}" if load.get("after") is not None else "")
+    for key, parts in ran.items():
+        if isinstance(parts, dict) and "experts" in parts:
+            lines.append(f"{key}: experts (~{parts['expert_rows']} rows each) {parts['experts']}; projections "
+                         f"{parts['projections']}; head {parts['head']}")
+    return lines
 
 
 def _model(args, device, dtype):
@@ -178,9 +220,14 @@ def _model(args, device, dtype):
     from dgemma.model.random_weights import random_model
 
     # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
-    model = random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
-                         seed=args.seed)
-    return model, f"preset {args.config} (random weights)"
+    config = dgemma.get_preset(args.config)
+    if args.layers is not None:
+        if not 1 <= args.layers <= config.num_layers:
+            raise UsageError(f"--layers takes 1 to {config.num_layers} for {args.config}, not {args.layers}")
+        config = config.replace(num_layers=args.layers, layer_types=config.layer_types[: args.layers])
+    model = random_model(config, device=device, dtype=dtype, quantize=args.quantize, seed=args.seed)
+    layers = "" if args.layers is None else f", first {args.layers} layers"
+    return model, f"preset {args.config}{layers} (random weights)"
 
 
 def _transformers_model(args, model, dtype, device):

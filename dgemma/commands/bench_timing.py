@@ -289,7 +289,10 @@ dtype = getattr(torch, a["dtype"])
 if a["model"]:
     model = dgemma.load_model(a["model"], device=a["device"], dtype=dtype, quantize=a["quantize"])
 else:
-    model = dgemma.DiffusionGemma(dgemma.get_preset(a["config"])).to(device=a["device"], dtype=dtype).eval()
+    config = dgemma.get_preset(a["config"])
+    if a["layers"]:
+        config = config.replace(num_layers=a["layers"], layer_types=config.layer_types[: a["layers"]])
+    model = dgemma.DiffusionGemma(config).to(device=a["device"], dtype=dtype).eval()
     if a["quantize"]:
         from dgemma.model.quant import quantize_model
         quantize_model(model, a["quantize"])
@@ -320,7 +323,8 @@ def measure_startup(args, device: str, dtype, mode: str, new_tokens: int) -> dic
     import sys
 
     spec = dict(threads=torch.get_num_threads(), seed=args.seed, dtype=str(dtype).replace("torch.", ""),
-                model=args.model, config=args.config, device=device, quantize=args.quantize, mode=mode,
+                model=args.model, config=args.config, layers=getattr(args, "layers", None), device=device,
+                quantize=args.quantize, mode=mode,
                 cpu_int8_compute=args.cpu_int8_compute, steps=args.steps, prompt_len=args.prompt_len)
     out = {}
     with tempfile.TemporaryDirectory(prefix="dgemma-compile-cache-") as cache:

@@ -24,12 +24,16 @@ Attention itself, norms and the router stay in floating point.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 
 from dgemma import devices
 
 MODES = ("auto", "on", "off")
+LIBRARIES = ("auto", "openvino", "torch")
 
 # When an int4 weight is widened to int8 for one product: at least this many rows, and a weight of at least
 # this many elements. Calibrated with `python benchmarks/int8_compute.py threshold` (2 cores, quiet):
@@ -199,9 +203,15 @@ class Int8Table:
 
 # -- switching a model over -------------------------------------------------------------------------------
 @torch.no_grad()
-def enable(model: nn.Module, mode: str = "auto") -> bool:
+def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
     """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
-    Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load."""
+    Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
+    `library`: the kernels of int4 routed experts (`dgemma.model.openvino_experts`): "openvino", "torch", or
+    "auto": OpenVINO where it is installed, unless the environment variable DGEMMA_CPU_KERNELS says torch."""
+    if library not in LIBRARIES:
+        raise ValueError(f"experts' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
+    if library == "auto":
+        library = os.environ.get("DGEMMA_CPU_KERNELS", "auto")
     if not resolve(mode, model):
         return False
     if model.integer_compute_on:
@@ -212,10 +222,39 @@ def enable(model: nn.Module, mode: str = "auto") -> bool:
         elif hasattr(module, "int8"):
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
+    if library != "torch":
+        _experts_to_library(model, required=library == "openvino")
     table = model.embed_tokens.weight
     model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
     model.integer_compute_on = True
     return True
+
+
+def _experts_to_library(model: nn.Module, required: bool):
+    """Every int4 QuantExperts to OpenVINO's kernels, where it is installed and the machine has the memory for
+    its copy of the weights (one note line on stderr either way, none where it is not installed; `required`:
+    not installed is an error)."""
+    from dgemma.model import openvino_experts as library
+
+    if library.unavailable():
+        if required:
+            raise ValueError(library.unavailable())
+        return
+    modules = [m for m in model.modules() if hasattr(m, "library") and library.applies(m)
+               and (not m.kernel_layout or all(devices.int4_kernel_layout_known(getattr(m, f"{n}_q").shape[1])
+                                               for n in ("gate_up_proj", "down_proj")))]  # a layout it reads
+    if not modules:
+        return
+    need = int(library.MEMORY_FACTOR * library.expert_bytes(model))
+    free = devices.available_host_memory()
+    if need > free:
+        print(f"note: routed experts stay on torch's int4 kernel: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB, "
+              f"{free / 2**30:.1f} GiB available", file=sys.stderr)
+        return
+    for module in modules:
+        module.library = library.OpenVinoExperts(module, torch.get_num_threads())
+    print(f"note: routed experts on OpenVINO's int4 x int8 kernels ({len(modules)} layers, ~{need / 2**30:.1f} GiB "
+          "for its copy of their weights)", file=sys.stderr)
 
 
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):

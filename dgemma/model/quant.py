@@ -208,8 +208,11 @@ class QuantExperts(Experts):
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
     int8 = None  # {"gate_up_proj": ..., "down_proj": ...} once `int8_compute.enable` ran
+    library = None  # an `openvino_experts.OpenVinoExperts` once `int8_compute.enable` gave the experts to it
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
+        if self.library is not None and self.library.runs(grouped_x.shape[0]) and not torch.is_grad_enabled():
+            return self.library(grouped_x, counts)
         if self.int8 is not None:
             out = int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
             if out is not None:
