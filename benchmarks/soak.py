@@ -7,20 +7,28 @@ The mix, each client drawing by weight with its own seeded generator:
   structured  response_format json_schema: the answer must parse and validate (finish_reason stop)
   image       a chat with a PNG as a data URL (the model's vision tower)
   tools       tool_choice "required": the answer must be calls whose arguments are JSON objects
+  long        a chat whose ~600-token prompt no other request has (its own words and length), so that every
+              one brings new prompt lengths, routings and prefix-cache blocks: what grows a server's memory
+              if anything per prompt is kept (not compared: every answer is asked for once)
+--mix sets the weights (e.g. `--mix long=6,chat=2,stream=1`); a kind left out is not sent.
 With --adapters N, N random LoRA adapters (PEFT folders) are served beside the model (`--lora`) and each
 request names the base model or one of them at random. A scraper reads /metrics every 2 s and parses it
 with prometheus_client (a failed scrape or parse is an error of kind "metrics").
 Every answer is keyed by (what was asked, seed, model); two different answers to one key are a determinism
 failure. Errors are counted by kind (HTTP status, exception class, an invalid answer). The server's RSS
-is sampled every second from /proc; the plot shows it over time with the requests served.
+is sampled every second from /proc, and read at every --memory-every requests ended (printed as a table);
+the plot shows it over time with the requests served, and against the requests ended.
 
 The server is the small model given with --model, or by default a tiny random one built here like the
 tests' (tests/conftest.py: a vision tower, Gemma's tokenizer shape and Gemma 4's chat template; needs the
-test extra for transformers).
+test extra for transformers), or with --model-512 an 8-layer, 512-wide random text model (the prefix cache
+benchmark's; bf16 on a CPU with native bf16 matmuls) with Gemma's tokenizer shape and no vision tower.
 
     python benchmarks/soak.py --minutes 10 --clients 8      # prints a table, then one JSON line
     python benchmarks/soak.py --minutes 1 --clients 4       # a quick look
     python benchmarks/soak.py --minutes 3 --clients 4 --adapters 2   # LoRA adapters by name, mixed in batches
+    python benchmarks/soak.py --minutes 30 --clients 2 --model-512 --mix long=6,chat=2,stream=1,structured=1 \
+        --serve-args="--eager --prefix-cache-gib 0.05"                # memory over distinct long prompts
 
 Loopback only: the server binds 127.0.0.1 and the loops stop by themselves after --minutes.
 """
@@ -46,6 +54,7 @@ from dgemma.commands._common import plot_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 API_KEY = "sk-soak"
 MODEL = "soak"
@@ -59,6 +68,31 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
 PROMPTS = ["hello world", "Tell me about the sea.", "Name a colour.", "What is in this picture?"]
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from Paris Ada "
+         "red blue small large yes no hello world cat name age city").split()
+
+
+def long_prompt(index: int) -> str:
+    """Prompt `index`'s text: 105-144 numbered words (~530-720 of the Gemma-shaped tokenizer's tokens)."""
+    rng = random.Random(index)
+    return " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(105 + index % 40))
+
+
+def build_model_512(root: Path) -> Path:
+    """benchmarks/prefix_cache.py's 8-layer, 512-wide model (random weights) with the Gemma-shaped tokenizer
+    and its chat template, 2 denoising steps at most, written under `root`."""
+    import dgemma
+    from conftest import write_gemma_tokenizer
+    from prefix_cache import model_512
+
+    model = model_512()
+    folder = root / "model-512"
+    info = write_gemma_tokenizer(root)
+    model.sampling_config = model.sampling_config.replace(
+        eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=2)
+    dgemma.save_pretrained(model, folder)
+    write_gemma_tokenizer(folder)
+    return folder
 
 
 def build_model(root: Path) -> Path:
@@ -132,14 +166,20 @@ class Server:
         self.t0 = time.monotonic()
         threading.Thread(target=self._sample, daemon=True).start()
 
+    def read_rss(self) -> float | None:
+        """The server's resident memory now, MiB (None once it is gone)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        except (OSError, StopIteration):
+            return None
+
     def _sample(self):
         while not self._stop.wait(1.0):
-            try:
-                with open(f"/proc/{self.proc.pid}/status") as f:
-                    kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            except (OSError, StopIteration):
+            mib = self.read_rss()
+            if mib is None:
                 return
-            self.rss.append((time.monotonic() - self.t0, kib / 1024))
+            self.rss.append((time.monotonic() - self.t0, mib))
 
     def _copy_output(self):
         for line in self.proc.stdout:
@@ -171,17 +211,31 @@ class Tally:
         self.done: list[float] = []  # when each request ended
         self.scrapes = 0  # /metrics read and parsed
         self.metrics: dict[tuple, float] = {}  # the last scrape: (sample, labels) -> value
+        self.read_rss = None  # () -> the server's RSS in MiB, read at every `memory_every` requests ended
+        self.memory_every = 0
+        self.memory: list[tuple[int, float]] = []  # (requests ended, RSS MiB)
+        self.long_count = 0  # long prompts handed out: each client's next one is new
+
+    def next_long(self) -> int:
+        with self.lock:
+            self.long_count += 1
+            return self.long_count - 1
+
+    def _ended(self, t: float):
+        self.done.append(t)
+        if self.memory_every and len(self.done) % self.memory_every == 0 and self.read_rss is not None:
+            self.memory.append((len(self.done), self.read_rss()))
 
     def ok(self, kind: str, seconds: float, t: float):
         with self.lock:
             self.served[kind] += 1
             self.latency[kind].append(seconds)
-            self.done.append(t)
+            self._ended(t)
 
     def error(self, kind: str, what: str, t: float):
         with self.lock:
             self.errors[kind, what] += 1
-            self.done.append(t)
+            self._ended(t)
 
     def answer(self, kind: str, key: tuple, text: str):
         """The answer to `key` (what was asked, seed), compared with the first one seen for it."""
@@ -232,8 +286,8 @@ def scrape_loop(url: str, deadline: float, tally: Tally, t0: float):
         time.sleep(2)
 
 
-def chat_body(kind: str, seed: int, model: str = MODEL) -> dict:
-    prompt = PROMPTS[seed % 3]
+def chat_body(kind: str, seed: int, model: str = MODEL, long_index: int = 0) -> dict:
+    prompt = long_prompt(long_index) if kind == "long" else PROMPTS[seed % 3]
     body = {"model": model, "seed": seed, "max_tokens": 48, "messages": [{"role": "user", "content": prompt}]}
     if kind == "structured":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
@@ -287,16 +341,17 @@ def check(kind: str, message: dict, reason: str) -> str | None:
     return None
 
 
-def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float, models: list[str]):
+def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float, models: list[str], mix: dict):
     rng = random.Random(index)
-    kinds, weights = zip(*KINDS.items())
+    kinds, weights = zip(*mix.items())
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=url, headers=headers, timeout=300) as http:
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
             seed = rng.choice(SEEDS)
             model = rng.choice(models)
-            body = chat_body("chat" if kind in ("stream", "drop") else kind, seed, model)
+            body = chat_body("chat" if kind in ("stream", "drop") else kind, seed, model,
+                             tally.next_long() if kind == "long" else 0)
             start = time.monotonic()
             try:
                 if kind in ("stream", "drop"):
@@ -321,7 +376,8 @@ def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float, 
                     if problem:
                         tally.error(kind, problem, time.monotonic() - t0)
                         continue
-                    tally.answer(kind, (kind, seed, model), answer_text(choice["message"]))
+                    if kind != "long":  # every long prompt is asked once: nothing to compare
+                        tally.answer(kind, (kind, seed, model), answer_text(choice["message"]))
             except Exception as e:  # a transport error, a broken stream: counted, the loop goes on
                 tally.error(kind, type(e).__name__, time.monotonic() - t0)
                 continue
@@ -341,7 +397,7 @@ def plot(server: Server, tally: Tally, path: Path, minutes: float, clients: int)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (ax, by_count) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     t = [s / 60 for s, _ in server.rss]
     ax.plot(t, [m for _, m in server.rss], color="tab:blue", label="server RSS (MiB)")
     ax.set_xlabel("minutes")
@@ -353,8 +409,24 @@ def plot(server: Server, tally: Tally, path: Path, minutes: float, clients: int)
     twin.plot([d / 60 for d in done], range(1, len(done) + 1), color="tab:orange", label="requests ended")
     twin.set_ylabel("requests ended (cumulative)", color="tab:orange")
     ax.set_title(f"dgemma serve soak: {clients} clients, {minutes:g} min, mixed requests")
+    if tally.memory:
+        by_count.plot([n for n, _ in tally.memory], [m for _, m in tally.memory], marker=".", color="tab:blue")
+        by_count.set_ylim(0, max(m for _, m in tally.memory) * 1.15)
+    by_count.set_xlabel("requests ended")
+    by_count.set_ylabel("server RSS (MiB)")
+    by_count.set_title(f"RSS every {tally.memory_every} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def parse_mix(text: str) -> dict[str, int]:
+    mix = {}
+    for part in text.split(","):
+        kind, _, weight = part.partition("=")
+        if kind not in (*KINDS, "long") or not weight.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: want KIND=WEIGHT with KIND one of {', '.join(KINDS)}, long")
+        mix[kind] = int(weight)
+    return mix
 
 
 def main():
@@ -364,6 +436,12 @@ def main():
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--adapters", type=int, default=0, help="random LoRA adapters served beside the model")
+    parser.add_argument("--model-512", action="store_true",
+                        help="serve an 8-layer, 512-wide random text model (no vision, no tool template: image and tools leave the default mix)")
+    parser.add_argument("--mix", type=parse_mix, default=None,
+                        help=f"KIND=WEIGHT,... from {', '.join(KINDS)}, long (default: {KINDS}, no long)")
+    parser.add_argument("--memory-every", type=int, default=100, help="read the server's RSS every N requests ended")
+    parser.add_argument("--serve-args", default="", help="more `dgemma serve` flags, e.g. '--eager'")
     parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak.png",
                         help="PNG of RSS and requests over time (needs dgemma[plot])")
     parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log",
@@ -371,16 +449,19 @@ def main():
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or build_model(Path(tmp))
+        model = args.model or (build_model_512 if args.model_512 else build_model)(Path(tmp))
+        mix = args.mix or {k: w for k, w in KINDS.items() if not (args.model_512 and k in ("image", "tools"))}
         loras = write_adapters(model, Path(tmp), args.adapters) if args.adapters else []
         models = [MODEL] + [flag.partition("=")[0] for flag in loras]
         server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64",
-                                *(a for flag in loras for a in ("--lora", flag))], args.server_log)
+                                *(a for flag in loras for a in ("--lora", flag)), *args.serve_args.split()],
+                        args.server_log)
         try:
             tally = Tally()
+            tally.read_rss, tally.memory_every = server.read_rss, args.memory_every
             start = time.monotonic()
             deadline = start + args.minutes * 60
-            threads = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, server.t0, models))
+            threads = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, server.t0, models, mix))
                        for i in range(args.clients)]
             threads.append(threading.Thread(target=scrape_loop, args=(server.url, deadline, tally, server.t0)))
             for thread in threads:
@@ -396,17 +477,19 @@ def main():
     rss = [m for _, m in server.rss]
     warm = [m for s, m in server.rss if s >= server.rss[0][0] + 60] or rss  # after the first minute
     print(f"{'kind':<11} {'served':>7} {'errors':>7} {'p50 s':>7} {'p99 s':>7} {'same answer':>12}")
-    for kind in KINDS:
+    for kind in mix:
         errors = sum(n for (k, _), n in tally.errors.items() if k == kind)
         lat = tally.latency[kind]
         same = (f"{tally.checked[kind] - tally.mismatched[kind]}/{tally.checked[kind]}"
                 if kind in tally.checked else "-")
         p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
         print(f"{kind:<11} {tally.served[kind]:>7} {errors:>7} {p50 or 0:>7.2f} {p99 or 0:>7.2f} {same:>12}")
-    all_lat = [x for k in KINDS for x in tally.latency[k] if k != "drop"]
+    all_lat = [x for k in mix for x in tally.latency[k] if k != "drop"]
     print(f"requests served {sum(tally.served.values())} in {wall / 60:.1f} min; errors {dict(tally.errors) or 'none'}")
     print(f"server RSS MiB: start {rss[0]:.0f}, after 1 min {warm[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}; "
           f"idle at the end: active {health['active']}, waiting {health['waiting']}")
+    if tally.memory:
+        print("server RSS MiB by requests ended: " + ", ".join(f"{n}: {m:.0f}" for n, m in tally.memory))
     lines = args.server_log.read_text(errors="replace").splitlines()
     problems = [i for i, line in enumerate(lines) if "Traceback" in line or " 500 " in line or "ERROR" in line]
     for i in problems[:5]:
@@ -428,9 +511,10 @@ def main():
         "determinism": {"compared": sum(tally.checked.values()), "mismatched": sum(tally.mismatched.values())},
         "latency_s": {"p50": percentile(all_lat, 0.5), "p99": percentile(all_lat, 0.99),
                       **{k: {"p50": percentile(tally.latency[k], 0.5), "p99": percentile(tally.latency[k], 0.99)}
-                         for k in KINDS}},
+                         for k in mix}},
         "rss_mib": {"start": round(rss[0], 1), "after_1_min": round(warm[0], 1), "end": round(rss[-1], 1),
                     "max": round(max(rss), 1), "growth_after_1_min": round(rss[-1] - warm[0], 1)},
+        "rss_mib_by_requests": [[n, round(m, 1)] for n, m in tally.memory],
         "idle_at_end": health["active"] == 0 and health["waiting"] == 0,
         "adapters": args.adapters, "metrics_scrapes": tally.scrapes, "finished_by_model": dict(finished),
         "metrics_errors_by_kind": scraped_errors,

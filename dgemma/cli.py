@@ -77,6 +77,14 @@ def keep_freed_memory() -> bool:
     return allocator.keep_freed_memory()
 
 
+def bound_kernel_caches():
+    """Bound the CPU kernel libraries' per-shape caches (dgemma.engine.allocator): not for `bench`, whose
+    timings are taken with the libraries' defaults."""
+    from dgemma.engine import allocator
+
+    allocator.bound_kernel_caches()
+
+
 def _resolve_model_names(args):
     """`--model` (and convert's SRC_DIR) may name a Hugging Face id: commands only ever see a local folder."""
     from dgemma.model.hub import resolve_model
@@ -94,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed: what ranks and replicas run again
     if args.command in GENERATING and getattr(args, "keep_freed_memory", True):
         keep_freed_memory()
+    if args.command in GENERATING - {"bench"}:
+        bound_kernel_caches()
     try:
         _resolve_model_names(args)
         if _tp().wanted(args):

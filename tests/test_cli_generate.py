@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -138,13 +139,25 @@ def test_generating_commands_keep_freed_memory_for_reuse():
 def test_only_generating_commands_change_the_allocator(monkeypatch, tmp_path):
     import dgemma.cli
 
-    calls = []
+    calls, bounded = [], []
     monkeypatch.setattr(dgemma.cli, "keep_freed_memory", lambda: calls.append(True))
+    monkeypatch.setattr(dgemma.cli, "bound_kernel_caches", lambda: bounded.append(True))
     assert dgemma.cli.main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert dgemma.cli.main(["info", "--preset", "tiny"]) == 0
     assert dgemma.cli.main(["bench", "--glibc-malloc-defaults", "--batch", "0"]) == 2  # asked to leave it
     assert dgemma.cli.main(["bench", "--batch", "0"]) == 2
     assert calls == [True, True]
+    assert bounded == [True]  # generate; bench times with the kernel libraries' defaults
+
+
+def test_bounding_the_kernel_caches_leaves_a_value_set_in_the_environment(monkeypatch):
+    from dgemma.engine import allocator
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    allocator.bound_kernel_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(allocator.KERNEL_CACHE_ENTRIES)
 
 
 def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_model_dir):

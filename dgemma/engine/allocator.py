@@ -1,12 +1,23 @@
-"""glibc's allocator, set for generation: freed memory kept for reuse, and handed back on demand.
+"""Process memory settings for generation: glibc keeps freed memory for reuse and hands it back on demand,
+and the CPU kernel libraries' per-shape caches are bounded.
 
 Generating commands free and reallocate the same (B, L, V)-sized buffers at every denoising step; with
 glibc's defaults each of those is a fresh mmap, page-faulted in again every step.
+
+On a CPU, bf16 matmuls run through oneDNN (via ideep), which keeps every kernel it builds in two caches keyed
+by shape, 1,024 entries each by default. A server sees an unbounded set of shapes: every prompt length, and
+in every MoE layer the number of tokens routed to each expert. Unbounded, those caches grew a server's memory
+by ~5 MiB a request for hundreds of requests (benchmarks/README.md, "Memory over a long run").
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+# kernels kept per cache: a forward's repeated shapes (the dense layers' q/k/v/o and MLP projections, shared
+# by every layer) stay cached, and the cache holds tens of MiB at most instead of growing with the shapes seen
+KERNEL_CACHE_ENTRIES = 128
 
 
 def _glibc():
@@ -46,3 +57,12 @@ def release_freed_memory():
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES):
+    """Cap oneDNN's primitive cache and ideep's computation cache at `entries` kernels each (least recently
+    used go first), unless the environment already sets them (ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+    LRU_CACHE_CAPACITY). Both libraries read these once, at their first bf16 matmul, so this must run before
+    the model does; the kernels themselves, and so the tokens, are the same either way."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))

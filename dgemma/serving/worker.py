@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dgemma.engine import Engine, Event, QueueFull, Request, ScoreRequest
+from dgemma.engine.allocator import release_freed_memory
 from dgemma.engine.lockstep import RanksLost
 
 log = logging.getLogger("dgemma.serve")
@@ -93,6 +94,9 @@ class EngineWorker:
         self.observer = None
         # called on the engine thread between steps (serving/lifecycle.py switches the compiled step in)
         self.between_steps = None
+        # freed heap memory was handed back since the engine last stepped (glibc keeps it for reuse while
+        # busy: dgemma.engine.allocator)
+        self._trimmed = False
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self):
@@ -207,10 +211,14 @@ class EngineWorker:
         if engine.has_work():
             start = time.perf_counter()
             engine.step()
+            self._trimmed = False
             if self.observer is not None:
                 self.observer.engine_step(time.perf_counter() - start, len(engine.active))
-        else:
-            engine.wakeup.wait(timeout=1.0)
+        elif not engine.wakeup.wait(timeout=1.0) and not self._trimmed:
+            # a second with nothing to do: hand the heap's freed memory back to the kernel (malloc_trim), once
+            # an idle spell, so an idle server holds what is live, not its busiest moment's buffers
+            release_freed_memory()
+            self._trimmed = True
 
     def _recover(self, error: Exception):
         """Fail every request in flight and start over with a fresh engine (its cache state is suspect)."""
