@@ -80,3 +80,115 @@ def test_settled_positions_keys_are_not_recomputed():
         a = model.decode_active(canvas, cache, pack, self_conditioning=previous)
         b = model.decode_active(changed, cache, pack, self_conditioning=previous)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- the rule and the plain loop, on a model whose logits at a position depend only on its own token ---------------
+class PositionwiseModel:
+    """logits[b, j] = table[canvas[b, j]] + bias[j]: no position sees another, so keeping a position's logits
+    while its token is unchanged is exact. Tokens >= V // 2 map strongly onto themselves (they settle); the
+    rest are spread out (they keep changing). `rows_margin` scales each row (small: a row never stops)."""
+
+    def __init__(self, canvas_length=12, vocab_size=24, rows_margin=(1.0,), seed=0):
+        from types import SimpleNamespace
+
+        g = torch.Generator().manual_seed(seed)
+        V = vocab_size
+        self.config = SimpleNamespace(canvas_length=canvas_length, vocab_size=V)
+        self.device = torch.device("cpu")
+        self.table = torch.randn(V, V, generator=g) * 2
+        self.table[V // 2 :, V // 2 :] += torch.eye(V - V // 2) * 12
+        self.bias = torch.randn(canvas_length, V, generator=g)
+        self.rows_margin = rows_margin
+        self.packs: list[list[int]] = []  # per decode_active call: the packed rows' counts
+
+    def new_cache(self, batch_size, max_length):
+        return None
+
+    def encode(self, input_ids, cache, attention_mask=None, **_):
+        return None
+
+    def _logits(self, canvas):
+        margin = torch.tensor([self.rows_margin[b % len(self.rows_margin)] for b in range(canvas.shape[0])])
+        return (self.table[canvas] + self.bias) * margin[:, None, None]
+
+    def denoise(self, canvas_ids, cache, *, self_conditioning=None):
+        return self._logits(canvas_ids)
+
+    def decode_active(self, canvas_ids, cache, pack, *, self_conditioning=None, rows=None):
+        self.packs.append(list(pack.counts))
+        return self._logits(canvas_ids)[pack.row_of, pack.index]
+
+
+def _sampling(**kw):
+    base = dict(max_denoising_steps=12, max_new_tokens=24, eos_token_ids=(1,), pad_token_id=0, entropy_bound=2.0)
+    return dgemma.SamplingConfig(**{**base, **kw})
+
+
+def test_with_positionwise_logits_the_cache_changes_no_token_and_saves_positions():
+    from dgemma.generation import generate
+
+    prompts = [[5, 6], [7, 8, 9]]
+    off = generate(PositionwiseModel(), prompts, _sampling(), seed=3)
+    model = PositionwiseModel()
+    on = generate(model, prompts, _sampling(step_cache=True, settle_probability=0.9), seed=3)
+    assert on.tokens == off.tokens and on.steps_per_canvas == off.steps_per_canvas
+    assert sum(on.decoder_positions) < sum(off.decoder_positions)
+    # without the cache the plain loop runs every row's whole canvas at every step the batch takes
+    assert off.decoder_positions[0] == off.decoder_positions[1] == 12 * sum(
+        max(s[c] for s in off.steps_per_canvas if c < len(s)) for c in range(off.num_canvases))
+    assert sum(on.decoder_positions) == sum(sum(c) for c in model.packs)
+
+
+def test_a_stopped_row_is_not_computed():
+    from dgemma.generation import generate
+
+    model = PositionwiseModel(rows_margin=(2.0, 0.05))  # row 1 is never confident: it runs every step
+    result = generate(model, [[5], [6]], _sampling(step_cache=True, max_new_tokens=12), seed=0)
+    steps = result.steps_per_canvas
+    assert steps[0][0] < steps[1][0] == 12
+    assert all(counts[0] == 0 for counts in model.packs[steps[0][0]:])
+    assert result.decoder_positions[1] == 12 * 12  # never settles: every position every step
+
+
+def test_settle_rule():
+    from dgemma.generation.step_cache import StepCache
+
+    sampling = _sampling(step_cache=True, settle_steps=2, settle_probability=0.9)
+    cache = StepCache(sampling, 1, 4, 3, "cpu")
+    done = torch.zeros(1, dtype=torch.bool)
+    canvas = torch.tensor([[0, 1, 2, 0]])
+    assert cache.active(canvas, done).all()  # the first step computes everything
+    cache.computed_with = canvas.clone()
+    cache.steps = 1
+    sure = torch.tensor([0.95, 0.02, 0.03])
+    probs = sure.expand(1, 4, 3).clone()
+    probs[0, 3] = torch.tensor([0.5, 0.3, 0.2])  # position 3: stable but not sure enough
+    argmax = torch.zeros(1, 4, dtype=torch.long)
+    accepted = torch.tensor([[True, True, False, True]])  # position 2 was not accepted
+    next_canvas = torch.tensor([[0, 0, 0, 0]])
+    cache.settle(argmax, probs, accepted, next_canvas, done)
+    assert not cache.settled.any()  # one step of the same argmax is not yet stable
+    cache.settle(argmax, probs, accepted, next_canvas, done)
+    assert cache.settled.tolist() == [[True, True, False, False]]
+    # position 0 reads the token it was computed with: skipped; position 1 reads another one: it wakes
+    assert cache.active(torch.tensor([[0, 0, 0, 0]]), done).tolist() == [[False, True, True, True]]
+    assert not cache.active(canvas, torch.ones(1, dtype=torch.bool)).any()  # a stopped row: nothing
+    cache.refresh, cache.steps = 4, 4
+    assert cache.active(canvas, done).all()  # a refresh step computes everything
+
+
+def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
+    import json
+
+    assert "dgemma" not in dgemma.SamplingConfig().to_hf_dict()  # off: the file stays as it was
+    on = dgemma.SamplingConfig(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    written = on.to_hf_dict()
+    assert written["dgemma"] == dict(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"), on)
+    dgemma.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["dgemma"] == written["dgemma"]
+    loaded = dgemma.load_model(tmp_path).sampling_config
+    assert (loaded.step_cache, loaded.settle_steps, loaded.settle_probability, loaded.cache_refresh) == (
+        True, 3, 0.95, 4)
+    with pytest.raises(dgemma.ConfigError, match="settle_probability"):
+        dgemma.SamplingConfig(settle_probability=1.5)

@@ -32,6 +32,7 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read, to_device
+from dgemma.generation.step_cache import StepCache
 from dgemma.generation.canvas import (
     canvases_for,
     columns_left,
@@ -85,6 +86,8 @@ class GenerationResult:
     elapsed_s: float
     tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
     seed: int  # the seed the sampler's generator used
+    # per row: canvas positions run through the decoder, summed over its steps (fewer with the step cache)
+    decoder_positions: list[int] | None = None
     # with a verifier (dgemma.generation.verify), per row: {"accepted", "rounds", "candidate",
     # "forwards" (all candidates'), "winner_forwards", "rejected"}
     search: list[dict] | None = None
@@ -153,6 +156,7 @@ def generate(
     rows = _Rows.empty(batch_size)  # the same on the host, and each row's tokens and steps
     committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS
     forward_passes = torch.zeros(batch_size, dtype=torch.long, device=device)
+    decoder_positions = [0] * batch_size
     time_to_first_canvas = 0.0
     for canvas_index in range(max_canvases):
         budget = columns_left(max_new_tokens, canvas_index, canvas_length)  # the tokens a row may still write
@@ -161,6 +165,7 @@ def generate(
         argmax, steps = denoise_canvas(
             model, cache, sampling, generator, frozen=finished, frozen_rows=rows.finished, fixed=fixed,
             fixed_tokens=fixed_tokens, on_draft=on_draft, answers=answers, budget=budget,
+            decoder_positions=decoder_positions,
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
@@ -182,7 +187,9 @@ def generate(
         if last or all(rows.finished):
             break
         model.encode(canvas_tokens, cache, return_logits=False)  # extend the cache by the committed canvas
-    return rows.result(committed, forward_passes, sampling, seed, start_time, time_to_first_canvas)
+    result = rows.result(committed, forward_passes, sampling, seed, start_time, time_to_first_canvas)
+    result.decoder_positions = decoder_positions
+    return result
 
 
 def _encode_prompts(model, prompts: list[list[int]], pad_id: int, output_positions: int, images, device):
@@ -265,13 +272,15 @@ def denoise_canvas(
     on_draft: OnDraft | None = None,
     answers: list | None = None,
     budget: int = 0,
+    decoder_positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise one canvas at positions cache.length .. cache.length+L-1.
 
     frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed;
     frozen_rows: the same on the host (read from `frozen` when not given).
     answers[b] (a dgemma.structured ConstrainedAnswer, or None) constrains row b; budget = the tokens
-    each row may still write. Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
+    each row may still write. decoder_positions[b] is increased by the canvas positions row b ran through
+    the decoder (the whole canvas each step, or the step cache's active ones). Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
     row's chosen canvas; denoising steps each row ran (B,) long).
 
     The host reads once per step: the rows' stop flags and how many positions take a sample.
@@ -289,9 +298,13 @@ def denoise_canvas(
     history = new_argmax_history(sampling.stability_threshold, *shape, device)
     self_conditioning = None  # no signal at the first step
     chosen: dict[int, torch.Tensor] = {}  # constrained rows: the canvas they commit
+    step_cache = StepCache(sampling, *shape, model.config.vocab_size, device) if sampling.step_cache else None
     for step_index in range(num_steps):
         steps += ~done
-        logits = model.denoise(canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
+        if step_cache is None:
+            logits = model.denoise(canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
+        else:  # only the active positions run; stopped rows not at all
+            logits = step_cache.logits_for(model, canvas, cache, done, self_conditioning=self_conditioning)
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
         scanned = scan_step(logits, temperature, sampling.entropy_bound, generator, fixed=fixed,
@@ -307,6 +320,8 @@ def denoise_canvas(
                     result.canvas[row] = answer.guide(result.canvas[row], result.accepted[row], logits[row], budget,
                                                       generator)
         canvas = torch.where(done[:, None], canvas, result.canvas)
+        if step_cache is not None:
+            step_cache.settle(scanned.argmax, logits, result.accepted, canvas, done)
         if not sampling.fixed_steps:
             done |= stop
             done_rows = [d or bool(s) for d, s in zip(done_rows, stop_rows)]
@@ -322,6 +337,9 @@ def denoise_canvas(
             break
     for row, tokens in chosen.items():
         argmax[row] = tokens
+    if decoder_positions is not None:
+        counts = step_cache.decoder_positions if step_cache is not None else [shape[1] * (step_index + 1)] * batch_size
+        decoder_positions[:] = [d + c for d, c in zip(decoder_positions, counts)]
     return argmax, steps
 
 

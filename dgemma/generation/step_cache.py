@@ -1,0 +1,85 @@
+"""The step cache: canvas positions that have settled stop costing decoder compute (SamplingConfig.step_cache).
+
+Every denoising step runs the whole canvas through the decoder, even when most positions no longer change.
+With the step cache a step runs only the *active* positions (`DiffusionGemma.decode_active`); a settled
+position keeps its logits from the last step that computed it (the sampler, self-conditioning and the stop rule
+read them as if they were new) and its keys/values in the cache's canvas slots (what the active positions
+attend to).
+
+The rule, per row and canvas position, over one canvas:
+  * the first step computes every position, and so does every `cache_refresh`-th step (0: never);
+  * a position settles when its argmax has been the same for `settle_steps` consecutive steps, its top
+    probability at the step's temperature is >= `settle_probability`, the sampler accepted it and the token
+    it reads next step is that argmax (so a constrained row's settled positions hold tokens its automaton
+    allowed: the guide put them there);
+  * a settled position wakes (is computed again) when the token it reads differs from the one it was last
+    computed with (the sampler drew another sample, or re-noised it);
+  * rows that stopped are not computed at all.
+The approximation: a settled position's logits and keys/values were made with the other positions as they
+were then; for a model whose logits at a position depend only on that position's token it is exact.
+
+`decoder_positions` counts what ran through the decoder, per row.
+
+Shapes: B rows, L canvas length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dgemma.config import SamplingConfig
+from dgemma.device_sync import host_read
+from dgemma.model.packing import PackedPositions
+
+
+class StepCache:
+    """One canvas's step cache for B rows (a new one per canvas)."""
+
+    def __init__(self, sampling: SamplingConfig, batch_size: int, canvas_length: int, vocab_size: int, device):
+        self.settle_steps = sampling.settle_steps
+        self.settle_probability = sampling.settle_probability
+        self.refresh = sampling.cache_refresh
+        shape = (batch_size, canvas_length)
+        # each position's logits from the last step that computed it (zeros: uniform, until computed)
+        self.logits = torch.zeros(*shape, vocab_size, dtype=torch.float32, device=device)
+        self.computed_with = torch.full(shape, -1, dtype=torch.long, device=device)  # the token it read then
+        self.last_argmax = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.stable = torch.zeros(shape, dtype=torch.long, device=device)  # consecutive steps with that argmax
+        self.settled = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.steps = 0
+        self.decoder_positions = [0] * batch_size  # per row, summed over the steps (host)
+
+    def active(self, canvas: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """canvas (B, L) the step's input, done (B,) rows that stopped -> (B, L) bool: the positions to compute."""
+        whole = self.steps == 0 or (self.refresh > 0 and self.steps % self.refresh == 0)
+        active = torch.ones_like(self.settled) if whole else ~self.settled | (canvas != self.computed_with)
+        return active & ~done[:, None]
+
+    def logits_for(self, model, canvas: torch.Tensor, cache, done: torch.Tensor, *, self_conditioning=None,
+                   rows=None) -> torch.Tensor:
+        """The step's logits (B, L, V) fp32: the active positions computed now (one host read: their counts),
+        the rest as last computed. A new buffer, which the sampler may overwrite."""
+        active = self.active(canvas, done)
+        counts = host_read(active.sum(dim=1), "step cache: active positions")
+        pack = PackedPositions.from_mask(active, counts)
+        if pack.total:
+            computed = model.decode_active(canvas, cache, pack, self_conditioning=self_conditioning, rows=rows)
+            pack.scatter(computed, self.logits)
+        self.computed_with = torch.where(active, canvas, self.computed_with)
+        self.settled &= ~active
+        self.decoder_positions = [d + c for d, c in zip(self.decoder_positions, counts)]
+        self.steps += 1
+        return self.logits.clone()
+
+    def settle(self, argmax: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor, next_canvas: torch.Tensor,
+               done: torch.Tensor):
+        """After the step's sampler: argmax (B, L), probs (B, L, V) or (B * L, V) its tempered probabilities,
+        accepted (B, L) bool, next_canvas (B, L) what the next step reads, done (B,) rows that stopped."""
+        B, L = argmax.shape
+        top = probs.reshape(B, L, -1).amax(dim=-1)
+        same = argmax == self.last_argmax
+        self.stable = torch.where(same, self.stable + 1, torch.ones_like(self.stable))
+        self.last_argmax = argmax
+        settles = ((self.stable >= self.settle_steps) & (top >= self.settle_probability) & accepted
+                   & (next_canvas == argmax) & ~done[:, None])
+        self.settled |= settles
