@@ -192,3 +192,23 @@ def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
         True, 3, 0.95, 4)
     with pytest.raises(dgemma.ConfigError, match="settle_probability"):
         dgemma.SamplingConfig(settle_probability=1.5)
+
+
+def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path):
+    import argparse
+
+    from dgemma.cli import main
+
+    from dgemma.commands._common import add_sampling_arguments, step_cache_overrides
+
+    p = argparse.ArgumentParser()
+    add_sampling_arguments(p)
+    args = p.parse_args(["--step-cache", "on", "--settle-steps", "3", "--settle-probability", "0.9",
+                         "--cache-refresh", "4"])
+    assert step_cache_overrides(args) == dict(step_cache=True, settle_steps=3, settle_probability=0.9, cache_refresh=4)
+    assert step_cache_overrides(p.parse_args([]))["step_cache"] is None  # the model's setting
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--ar", "--step-cache", "on"]) == 2
+    assert "--step-cache works with the diffusion sampler, not with --ar" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--prompt", "x", "--settle-probability", "2"])
+    assert e.value.code == 2 and "must be in [0, 1]" in capsys.readouterr().err
