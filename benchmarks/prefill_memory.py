@@ -59,7 +59,7 @@ def child(args) -> dict:
         before = status("VmRSS")
         request = engine.submit(Request(prompt=prompt, sampling=sampling, seed=0))
         start, calls = time.perf_counter(), 0
-        while request.prefilled is None or request.prefilling:  # the last step also takes the canvas's first
+        while request.state.prefilled is None or request.prefilling:  # the last step also takes the canvas's first
             engine.step()
             calls += 1
         seconds = time.perf_counter() - start

@@ -56,10 +56,10 @@ def timed(engine, request: Request) -> dict:
     def on_event(event):
         marks.setdefault(event.kind, time.perf_counter())
 
-    request.on_event, request.want_drafts = on_event, True
+    request.state.on_event = on_event
     engine.submit(request)
     engine.run_until_done([request])
-    return {"first_draft_s": marks["draft"] - request.t_submit, "first_canvas_s": marks["canvas"] - request.t_submit}
+    return {"first_draft_s": marks["draft"] - request.state.t_submit, "first_canvas_s": marks["canvas"] - request.state.t_submit}
 
 
 def follow_up(model, sampling, history: int) -> dict:
@@ -78,7 +78,7 @@ def follow_up(model, sampling, history: int) -> dict:
         if name == "none":  # its KV cache and blocks go before the next engine's (the 26B leaves little room)
             del engine
             engine = Engine(model, max_batch=1, max_length=history + 1024, **ENGINE_ARGS)
-        turn2 = Request(prompt=follow, sampling=sampling, seed=1)
+        turn2 = Request(prompt=follow, sampling=sampling, seed=1, want_drafts=True)
         out[name] = {**timed(engine, turn2), "tokens": turn2.tokens, "cached": turn2.cached_tokens,
                      "prompt": len(turn2.prompt)}
     return out
@@ -119,7 +119,7 @@ def long_prompt(model, sampling, length: int) -> dict:
         before = len(steps)
         long = engine.submit(Request(prompt=tokens(length, 5, V), sampling=sampling, seed=1))
         start = time.perf_counter()
-        while long.prefilling or long.row is None:
+        while long.prefilling or long.state.row is None:
             engine.step()
         read_s = time.perf_counter() - start
         gaps = [b - a for a, b in zip(steps[before - 1 :], steps[before:])]  # through the last chunk's step

@@ -92,7 +92,7 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def cost_row(name: str, vocab, canvas: int, repeats: int, model=None) -> dict:
-    from dgemma.sampling import sampler_step
+    from dgemma.sampling import draw_samples, scan_step
     from dgemma.structured import constrained_canvas, constrained_sample, json_schema_constraint
 
     start = time.process_time()  # CPU time: on a shared machine, wall time says more about the neighbours
@@ -104,7 +104,7 @@ def cost_row(name: str, vocab, canvas: int, repeats: int, model=None) -> dict:
     probs = torch.softmax(logits[0] / 0.6, -1)
 
     def step():
-        sampler_step(logits.clone(), 0.6, 0.1, generator)
+        draw_samples(scan_step(logits.clone(), 0.6, 0.1, generator))
 
     forward_ms = None
     if model is not None:

@@ -48,6 +48,14 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
+def sampler_step(logits: torch.Tensor, temperature: float, entropy_bound: float, generator, **kwargs):
+    """A whole sampler step (dgemma.sampling's two halves, scan_step then draw_samples), as tests call it."""
+    from dgemma.sampling import draw_samples, scan_step
+
+    chunk = {k: kwargs[k] for k in ("chunk_elements",) if k in kwargs}
+    return draw_samples(scan_step(logits, temperature, entropy_bound, generator, **kwargs), **chunk)
+
+
 def wait_until(condition, timeout: float, what: str):
     """Poll `condition()` until it holds; an AssertionError naming `what` once `timeout` seconds have passed.
     For an event another process or thread makes: a test waits for the event itself, never a guessed time."""

@@ -116,8 +116,8 @@ def test_cancel_and_queue_bound(model):
     engine.step()  # a is admitted and denoising; b waits
     engine.cancel(a)
     engine.step()  # a leaves at once, b takes its row
-    assert a.finish_reason == "cancelled" and a.row is None
-    assert b.row == 0
+    assert a.finish_reason == "cancelled" and a.state.row is None
+    assert b.state.row == 0
     engine.run_until_done([b])
     assert b.finish_reason == "length" and len(b.tokens) == 64
 

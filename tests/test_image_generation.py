@@ -58,7 +58,7 @@ def test_engine_equals_the_plain_loop_with_an_image(vision_model, processor):
     engine = Engine(model, max_batch=2, max_length=256)
     (request,) = engine.generate([prompt], s, seeds=[7], images=[inputs])
     assert request.tokens == plain.tokens[0] and len(request.tokens) > 0
-    assert request.images is None  # released once the prompt was encoded
+    assert request.state.images is None  # released once the prompt was encoded
     # the image matters: the same prompt with another picture answers differently
     _, other = image_prompt(model, processor, [2, 40, image, 41, 42], [picture(37, 53, seed=1)])
     assert generate(model, [prompt], s, seed=7, images=other).tokens != plain.tokens

@@ -15,10 +15,11 @@ from dgemma.sampling import (
     mean_entropy,
     new_argmax_history,
     sample_from_probs,
-    sampler_step,
     temperature_schedule,
     token_entropy,
 )
+
+from tests.conftest import sampler_step  # noqa: E402
 
 reference = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
 

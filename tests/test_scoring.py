@@ -10,7 +10,7 @@ import torch
 
 import dgemma
 from dgemma.config import SamplingConfig
-from dgemma.engine import Engine, Request
+from dgemma.engine import Engine, Request, ScoreRequest
 from dgemma.engine.scoring import plan_clusters
 from dgemma.generation import generate
 
@@ -73,7 +73,7 @@ def test_a_long_prompt_in_chunks_at_the_context_limit(model):
     engine = Engine(model, max_batch=2, max_length=128, score_chunk_tokens=24)
     check(model, engine.score([prompt, prompt[:70]], top=2), 2)
     with pytest.raises(ValueError, match="does not fit"):
-        engine.submit(Request(prompt=prompt + [1], sampling=None, seed=0, score_top=1))
+        engine.submit(ScoreRequest(prompt=prompt + [1], top=1))
 
 
 def test_scoring_beside_generation_changes_neither(model):
@@ -83,7 +83,7 @@ def test_scoring_beside_generation_changes_neither(model):
     plain = [generate(model, [p], s, seed=10 + i) for i, p in enumerate(gen_prompts)]
     engine = Engine(model, max_batch=4, max_length=128, score_chunk_tokens=16)
     gen = [Request(prompt=p, sampling=s, seed=10 + i) for i, p in enumerate(gen_prompts)]
-    scored = [Request(prompt=p, sampling=None, seed=0, score_top=3) for p in PROMPTS]
+    scored = [ScoreRequest(prompt=p, top=3) for p in PROMPTS]
     engine.submit_all(gen + scored)
     steps_with_both = 0
     while not all(r.done for r in gen + scored):
@@ -97,7 +97,7 @@ def test_scoring_beside_generation_changes_neither(model):
 
 def test_cancelled_scoring_frees_its_rows(model):
     engine = Engine(model, max_batch=4, max_length=128, score_chunk_tokens=4)
-    requests = [Request(prompt=p, sampling=None, seed=0, score_top=1) for p in PROMPTS[:3]]
+    requests = [ScoreRequest(prompt=p, top=1) for p in PROMPTS[:3]]
     engine.submit_all(requests)
     engine.step()
     assert engine.scoring and len(engine.free_rows) == 1
@@ -113,7 +113,7 @@ def test_a_group_fits_the_queue_whole_or_not_at_all(model):
     from dgemma.engine import QueueFull
 
     engine = Engine(model, max_batch=1, max_queue=3)
-    engine.submit_all([Request(prompt=[1, 2], sampling=None, seed=0, score_top=1) for _ in range(2)])
+    engine.submit_all([ScoreRequest(prompt=[1, 2], top=1) for _ in range(2)])
     with pytest.raises(QueueFull):
-        engine.submit_all([Request(prompt=[1, 2], sampling=None, seed=0, score_top=1) for _ in range(2)])
+        engine.submit_all([ScoreRequest(prompt=[1, 2], top=1) for _ in range(2)])
     assert len(engine.waiting) == 2

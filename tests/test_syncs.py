@@ -193,8 +193,10 @@ def test_cache_decides_on_the_host_what_the_decoder_mask_says(model):
 
 
 def test_sampler_halves_equal_the_whole_step():
-    """scan_step + draw_samples with the drawn count read beforehand (nonzero_static) = sampler_step."""
-    from dgemma.sampling.sampler import draw_samples, sampler_step, scan_step
+    """scan_step + draw_samples with the drawn count read beforehand (nonzero_static) = the step that
+    finds the drawn positions itself (nonzero)."""
+    from dgemma.sampling.sampler import draw_samples, scan_step
+    from tests.conftest import sampler_step
 
     logits = torch.randn(2, 16, 50, generator=torch.Generator().manual_seed(0)) * 3
     fixed = torch.zeros(2, 16, dtype=torch.bool)

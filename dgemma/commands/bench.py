@@ -75,6 +75,17 @@ def _resolve(args):
     return device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
+def _batches(args) -> list[int]:
+    """--batch's sizes, ascending; UsageError for a bad one or a count below 1."""
+    try:
+        batches = sorted({int(b) for b in args.batch.split(",")})
+    except ValueError:
+        raise UsageError(f"--batch takes comma-separated whole numbers, got {args.batch!r}") from None
+    if not batches or batches[0] < 1 or args.steps < 1 or args.prompt_len < 1 or args.repeats < 1:
+        raise UsageError("--batch, --steps, --prompt-len and --repeats must be >= 1")
+    return batches
+
+
 def run(args):
     import torch
 
@@ -83,12 +94,7 @@ def run(args):
     from dgemma.model import kernels
     from dgemma.model.compilation import compile_model, is_compiled
 
-    try:
-        batches = sorted({int(b) for b in args.batch.split(",")})
-    except ValueError:
-        raise UsageError(f"--batch takes comma-separated whole numbers, got {args.batch!r}") from None
-    if not batches or batches[0] < 1 or args.steps < 1 or args.prompt_len < 1 or args.repeats < 1:
-        raise UsageError("--batch, --steps, --prompt-len and --repeats must be >= 1")
+    batches = _batches(args)
     device, dtype = _resolve(args)
     if args.tensor_parallel is not None:
         from dgemma.commands.bench_split import run_split

@@ -168,7 +168,7 @@ class EngineTimed(Timed):
         self.engine.forwards = 0
         requests = self.engine.generate(self.prompts, self.sampling, seeds=[r * self.batch + i for i in range(self.batch)])
         return {"steps": self.engine.forwards,
-                "ttfc": statistics.mean(q.t_first_canvas - q.t_submit for q in requests),
+                "ttfc": statistics.mean(q.state.t_first_canvas - q.state.t_submit for q in requests),
                 "tpf": statistics.mean(q.stats()["tokens_per_forward"] for q in requests)}
 
     def measurement(self, group: str = "eager") -> Measurement:

@@ -187,7 +187,7 @@ def _solve(args):
     def on_event(event, candidate):
         if event.kind == "draft" and live is not None and candidate == 0:  # the display follows candidate 0
             grid = sudoku.decode_canvas(event.tokens) or (0,) * 81
-            text = Text(f"round {search.candidates[0].round}, step {event.step + 1}\n", style="bold")
+            text = Text(f"round {search.candidates[0].state.round}, step {event.step + 1}\n", style="bold")
             text.append(_grid_text(puzzle, grid, event.accepted))
             live.update(text)
         elif event.kind == "round":
@@ -196,7 +196,7 @@ def _solve(args):
                           f"denoised again in round {event.step} ({81 - len(event.tokens)} kept)")
 
     for r in search.candidates:
-        r.on_event = lambda e, j=r.candidate: on_event(e, j)
+        r.state.on_event = lambda e, j=r.candidate: on_event(e, j)
     engine = Engine(model, max_batch=len(search.candidates), max_length=MAX_LENGTH)
     for r in search.candidates:
         engine.submit(r)

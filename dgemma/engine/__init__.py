@@ -2,7 +2,7 @@
 and cache), one loop for all requests."""
 
 from dgemma.engine.engine import Engine
-from dgemma.engine.request import Event, Request, Status
+from dgemma.engine.request import Event, Request, ScoreRequest, Status
 from dgemma.engine.scheduler import QueueFull
 
-__all__ = ["Engine", "QueueFull", "Event", "Request", "Status"]
+__all__ = ["Engine", "QueueFull", "Event", "Request", "ScoreRequest", "Status"]

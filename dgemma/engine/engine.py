@@ -40,7 +40,7 @@ import time
 import torch
 
 from dgemma.config import SamplingConfig
-from dgemma.engine.request import Event, Request, Status
+from dgemma.engine.request import Event, Request, ScoreRequest, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import PrefillPace, Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
@@ -49,8 +49,9 @@ from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.model.compilation import compiled_function
-from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, seed_or_random, temperature_schedule
-from dgemma.sampling.sampler import draw_samples, scan_logits, scan_step
+from dgemma.generation.denoising import CanvasDenoising
+from dgemma.sampling import seed_or_random
+from dgemma.sampling.sampler import scan_logits
 
 
 def _prompt_seed(seeds: list[int] | None, sampling: SamplingConfig, i: int) -> int:
@@ -155,21 +156,21 @@ class Engine:
     # -- the loop (one thread) -----------------------------------------------------------------
     def step(self):
         for r in self.active:  # verifier candidates that can no longer win leave now
-            if r.search is not None and r.search.cannot_win(r):
-                r.cancel_requested = True
+            if not r.scoring and r.search is not None and r.search.cannot_win(r):
+                r.state.cancel_requested = True
         for r in self.scheduler.take_cancelled():
-            if not (r.scoring and r.row is not None):  # a batch being scored finishes its own requests
+            if not (r.scoring and r.state.row is not None):  # a batch being scored finishes its own requests
                 self._finish(r, "cancelled")
         to_score = []
         for r in self.scheduler.admit():
             if r.scoring:
                 to_score.append(r)
                 continue
-            r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
+            r.state.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
             if r.constraint is not None:
                 from dgemma.structured.answer import ConstrainedAnswer
 
-                r.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
+                r.state.answer = ConstrainedAnswer(r.constraint, r.sampling.eos_token_ids, r.sampling.pad_token_id)
         if to_score:
             self.scoring.append(ScoringBatch(to_score, self.score_chunk_tokens, self.runner))
         if self.scoring:
@@ -184,7 +185,7 @@ class Engine:
     @property
     def generating(self) -> list[Request]:
         """Requests denoising: their prompts are in their rows and their canvases started."""
-        return [r for r in self.active if not r.scoring and not r.prefilling and r.canvas is not None]
+        return [r for r in self.active if not r.scoring and not r.prefilling and r.state.denoising is not None]
 
     def prefill_budget(self) -> int:
         """Prompt tokens to encode in this step: beside running requests, as many as take about one of
@@ -202,26 +203,28 @@ class Engine:
         budget = start_budget = self.prefill_budget()
         beside_running = bool(self.generating)
         for r in self.active:  # prompts read in the last iteration beside running requests start now
-            if not r.scoring and not r.prefilling and r.prefilled is not None and r.canvas is None:
+            st = r.state
+            if not r.scoring and not r.prefilling and st.prefilled is not None and st.denoising is None:
                 self._start_canvas(r)
         for r in [r for r in self.active if r.prefilling]:
             if budget <= 0:
                 break
-            if r.prefilled is None:
-                r.cached_tokens, r.prefill_images, _ = self.runner.start_row(r.row, r.prompt, r.images, r.adapter)
-                r.prefilled = r.cached_tokens
-            a = r.prefilled
+            st = r.state
+            if st.prefilled is None:
+                st.cached_tokens, st.prefill_images, _ = self.runner.start_row(st.row, r.prompt, st.images, r.adapter)
+                st.prefilled = st.cached_tokens
+            a = st.prefilled
             # images go in one call with every token after them (an image is encoded whole); aligned spans
             # are read whole (a chunk ends on a span bound)
             span = self.runner.span_tokens
             chunk = -(-budget // span) * span if span else budget
-            n = len(r.prompt) - a if r.prefill_images is not None else min(chunk, len(r.prompt) - a)
+            n = len(r.prompt) - a if st.prefill_images is not None else min(chunk, len(r.prompt) - a)
             if n:
-                self.runner.prefill(r.row, r.prompt[a : a + n], r.prefill_images)
-            r.prefilled, r.prefill_images, budget = a + n, None, budget - n
+                self.runner.prefill(st.row, r.prompt[a : a + n], st.prefill_images)
+            st.prefilled, st.prefill_images, budget = a + n, None, budget - n
             if not r.prefilling:
                 if r.verifier is None:  # the pixels are in the cache now (a later round may encode them again)
-                    r.images = None
+                    st.images = None
                 if not (beside_running and n):  # else next iteration: this one's time went to the chunk
                     self._start_canvas(r)
         return start_budget - budget
@@ -276,9 +279,9 @@ class Engine:
         self.run_until_done(requests)
         return [s.winner for s in searches]
 
-    def score(self, prompts: list[list[int]], top: int = 1) -> list[Request]:
-        """Convenience: score every prompt (`Request.scores`), with `top` alternatives per position."""
-        requests = [Request(prompt=list(p), sampling=None, seed=0, score_top=top) for p in prompts]
+    def score(self, prompts: list[list[int]], top: int = 1) -> list[ScoreRequest]:
+        """Convenience: score every prompt (`ScoreRequest.scores`), with `top` alternatives per position."""
+        requests = [ScoreRequest(prompt=list(p), top=top) for p in prompts]
         for r in requests:
             self.scheduler.add(r, bounded=False)
         self.run_until_done(requests)
@@ -293,41 +296,37 @@ class Engine:
             self.generate(prompts, sampling, seeds=list(range(len(prompts))))
         self.forwards = 0
         if self.prefix_cache is not None:  # its throwaway prompts are no one's prefix
-            self.prefix_cache.clear()
-            self.prefix_cache.stats.__init__(budget_bytes=self.prefix_cache.budget_bytes)
+            self.prefix_cache.clear(counters=True)
 
     # -- internals -------------------------------------------------------------------------------
     def _check_images(self, r: Request):
         """Images the prefill would refuse are refused now, on the caller's thread (in the loop they would
         fail every request in flight)."""
-        if r.images is None:
+        images = r.state.images
+        if images is None:
             return
         tower = self.model.vision_tower
         if tower is None:
             raise ValueError("this model has no vision tower: it does not read images")
-        soft = int(tower.check(r.images.pixel_values, r.images.image_position_ids).sum())
+        soft = int(tower.check(images.pixel_values, images.image_position_ids).sum())
         placeholders = sum(1 for t in r.prompt if t == self.model.config.image_token_id)
         if placeholders != soft:
             raise ValueError(f"the prompt holds {placeholders} image tokens for the {soft} soft tokens of its "
-                             f"{len(r.images.pixel_values)} images (dgemma.images.expand_image_tokens)")
+                             f"{len(images.pixel_values)} images (dgemma.images.expand_image_tokens)")
 
     def _start_canvas(self, r: Request):
-        L, device = self.canvas_length, self.model.device
-        r.step_index = 0
-        r.soft = None
-        r.canvas_fixed = r.canvas_fixed_tokens = None
-        if r.fixed is not None:
-            fixed, tokens = template_slice(r.fixed[None], r.fixed_tokens[None], r.canvas_index, L)  # (1, L)
+        st, L, device = r.state, self.canvas_length, self.model.device
+        fixed = fixed_tokens = None
+        if st.fixed is not None:
+            fixed, fixed_tokens = template_slice(st.fixed[None], st.fixed_tokens[None], st.canvas_index, L)  # (1, L)
             if fixed is not None:
                 # sent from the host without waiting (the template is a host tensor)
-                r.canvas_fixed = to_device(fixed.tolist(), torch.bool, device)
-                r.canvas_fixed_tokens = to_device(tokens.tolist(), torch.long, device)
-        canvas = random_tokens((1, L), self.vocab_size, r.generator, device)
-        if r.canvas_fixed is not None:
-            canvas = torch.where(r.canvas_fixed, r.canvas_fixed_tokens, canvas)
-        r.canvas = canvas[0]
-        r.argmax = r.canvas
-        r.history = new_argmax_history(r.sampling.stability_threshold, 1, L, device)
+                fixed = to_device(fixed.tolist(), torch.bool, device)
+                fixed_tokens = to_device(fixed_tokens.tolist(), torch.long, device)
+        st.soft = None
+        st.denoising = CanvasDenoising(r.sampling, st.generator, 1, L, self.vocab_size, device, fixed=fixed,
+                                       fixed_tokens=fixed_tokens, answers=None if st.answer is None else [st.answer],
+                                       budget=columns_left(r.sampling.max_new_tokens, st.canvas_index, L))
 
     def _score_step(self):
         """One chunk of every scoring batch; a finished (or wholly cancelled) batch frees its rows."""
@@ -338,60 +337,45 @@ class Engine:
                 self.scoring.remove(batch)
                 self.scored_tokens += batch.encoded_tokens
                 for r in batch.requests:
-                    self._finish(r, "cancelled" if r.cancel_requested else "scored")
+                    self._finish(r, "cancelled" if r.state.cancel_requested else "scored")
 
     def _denoise_step(self):
-        """One decoder forward over every generating row, then each row's sampler step and stop rule.
+        """One decoder forward over every generating row, then each row's sampler step and stop rule
+        (dgemma.generation.denoising, as the plain loop).
 
         The host learns what it schedules by from ONE read per step (`host_read`): each row's stop flag,
         how many of its positions take a sample, and its argmax canvas (what a finished canvas commits).
         Everything else stays queued on the device; the bookkeeping (steps, budgets, rows) is Python.
         """
         batch = self.generating
-        logits = self.runner.denoise([r.row for r in batch], torch.stack([r.canvas for r in batch]),
-                                     [r.soft for r in batch])  # (n, L, V): the one big buffer
+        logits = self.runner.denoise([r.state.row for r in batch], torch.cat([r.state.denoising.canvas for r in batch]),
+                                     [r.state.soft for r in batch])  # (n, L, V): the one big buffer
         self.forwards += 1
-        scanned, stops = [], []
-        for i, r in enumerate(batch):
-            s = r.sampling
-            temperature = temperature_schedule(r.step_index, s.max_denoising_steps, s.t_min, s.t_max)
-            # a view of the buffer: the sampler turns it into probabilities in place
-            step = scan_step(logits[i : i + 1], temperature, s.entropy_bound, r.generator,
-                             fixed=r.canvas_fixed, fixed_tokens=r.canvas_fixed_tokens, scan=self.scan,
-                             accept_order=s.accept_order)
-            stop, r.history = adaptive_stop(r.history, step.argmax, step.entropy, s.confidence_threshold,
-                                            r.canvas_fixed)
-            scanned.append(step)
-            stops.append(stop)
-        drawn_counts = torch.cat([step.drawn for step in scanned]).sum(-1, keepdim=True)  # (n, 1)
-        table = torch.cat([torch.cat(stops)[:, None].long(), drawn_counts, torch.cat([st.argmax for st in scanned])], 1)
+        # a view of the buffer each: the sampler turns it into probabilities in place
+        pending = [r.state.denoising.scan(logits[i : i + 1], self.scan) for i, r in enumerate(batch)]
+        table = torch.cat([torch.cat([p.stop.long()[:, None], p.drawn_count[:, None], r.state.denoising.argmax], 1)
+                           for r, p in zip(batch, pending)])
         read = host_read(table, "step")  # per row: [stop, drawn count, argmax canvas (L)]
         finished_canvases = []
-        for i, (r, step, (stop, drawn, *argmax)) in enumerate(zip(batch, scanned, read)):
-            s = r.sampling
-            row_probs = logits[i]  # (L, V) softmax(logits / T), left by the sampler
-            result = draw_samples(step, drawn)
-            r.canvas, r.argmax, r.argmax_tokens = result.canvas[0], result.argmax[0], argmax
-            budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
-            if r.answer is not None:  # as the plain loop: accepted positions take tokens of a valid answer
-                r.canvas = r.answer.guide(r.canvas, result.accepted[0], row_probs, budget, r.generator)
-            r.step_index += 1
-            r.forward_passes += 1
-            finished = r.step_index >= s.max_denoising_steps or (stop and not s.fixed_steps)
-            if finished and r.answer is not None:  # commit the most probable valid canvas, not the argmax
-                r.argmax = r.answer.commit(row_probs, budget)
-                r.argmax_tokens = host_read(r.argmax, "constrained commit")
-            if not finished:
+        for i, (r, step, (stop, drawn, *argmax)) in enumerate(zip(batch, pending, read)):
+            st = r.state
+            denoising = st.denoising
+            result = denoising.advance(step, [stop], drawn)
+            st.argmax_tokens = argmax
+            st.forward_passes += 1
+            if denoising.finished and st.answer is not None:  # it commits the most probable valid canvas
+                st.argmax_tokens = host_read(denoising.committed()[0], "constrained commit")
+            if not denoising.finished:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
-                r.soft = self.runner.soft_embedding(row_probs)
+                st.soft = self.runner.soft_embedding(logits[i])
             if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
-                r.emit(Event("draft", r.request_id, r.canvas_index, step=r.step_index - 1,
-                             tokens=list(r.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
-                             accepted=host_read(result.accepted[0], "drafts")))
-            if finished:
+                st.emit(Event("draft", r.request_id, st.canvas_index, step=denoising.step_index - 1,
+                              tokens=list(st.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
+                              accepted=host_read(result.accepted[0], "drafts")))
+            if denoising.finished:
                 finished_canvases.append(r)
-        del logits
+        del logits, pending
         if finished_canvases:
             self._commit(finished_canvases)
 
@@ -399,29 +383,29 @@ class Engine:
         """Commit finished canvases, from their argmax tokens already on the host (no read here)."""
         continuing_rows, continuing_canvases, continuing = [], [], []
         for r in requests:
-            s = r.sampling
-            canvas_tokens = pad_after_eos_host(r.argmax_tokens, s.eos_token_ids, s.pad_token_id)  # L tokens
-            r.committed_non_pad += sum(t != s.pad_token_id for t in canvas_tokens)
-            r.steps_per_canvas.append(r.step_index)
-            budget = columns_left(s.max_new_tokens, r.canvas_index, self.canvas_length)
+            s, st = r.sampling, r.state
+            canvas_tokens = pad_after_eos_host(st.argmax_tokens, s.eos_token_ids, s.pad_token_id)  # L tokens
+            st.committed_non_pad += sum(t != s.pad_token_id for t in canvas_tokens)
+            st.steps_per_canvas.append(st.denoising.step_index)
+            budget = columns_left(s.max_new_tokens, st.canvas_index, self.canvas_length)
             new, hit_eos = cut_at_eos(canvas_tokens[:budget], s.eos_token_ids)
-            r.tokens.extend(new)
-            if r.t_first_canvas is None:
-                r.t_first_canvas = time.perf_counter()
-            r.emit(Event("canvas", r.request_id, r.canvas_index, tokens=new))
+            st.tokens.extend(new)
+            if st.t_first_canvas is None:
+                st.t_first_canvas = time.perf_counter()
+            st.emit(Event("canvas", r.request_id, st.canvas_index, tokens=new))
             if hit_eos or budget <= self.canvas_length:
                 if r.cache_answer and self.prefix_cache is not None and r.verifier is None:
-                    self.runner.commit([r.row], [canvas_tokens[: len(new) + hit_eos]])
+                    self.runner.commit([st.row], [canvas_tokens[: len(new) + hit_eos]])
                 if not self._verify(r):
                     self._finish(r, "stop" if hit_eos else "length")
                 continue
-            continuing_rows.append(r.row)
+            continuing_rows.append(st.row)
             continuing_canvases.append(canvas_tokens)
             continuing.append(r)
         if continuing:
             self.runner.commit(continuing_rows, continuing_canvases)
             for r in continuing:
-                r.canvas_index += 1
+                r.state.canvas_index += 1
                 self._start_canvas(r)
 
     def _verify(self, r: Request) -> bool:
@@ -429,31 +413,32 @@ class Engine:
         rejected positions and rounds are left), False when the request finishes."""
         if r.verifier is None:
             return False
-        r.rejected = rejected_positions(r.verifier, r.tokens)
-        r.accepted = not r.rejected
-        if r.accepted or r.round >= r.max_rounds:
+        st = r.state
+        st.rejected = rejected_positions(r.verifier, st.tokens)
+        st.verdict = not st.rejected
+        if st.verdict or st.round >= r.max_rounds:
             return False
-        if r.base_template is None:
-            r.base_template = (r.fixed, r.fixed_tokens)
-        r.fixed, r.fixed_tokens = next_template(*r.base_template, r.tokens, r.rejected)
-        r.round += 1
-        r.accepted = None
-        r.emit(Event("round", r.request_id, r.canvas_index, step=r.round, tokens=list(r.rejected)))
-        r.tokens, r.canvas_index = [], 0
-        if r.prefilled != len(r.prompt) or self.runner.cache.row_lengths[r.row] != len(r.prompt):
+        st.fixed, st.fixed_tokens = next_template(r.fixed, r.fixed_tokens, st.tokens, st.rejected)
+        st.round += 1
+        st.verdict = None
+        st.emit(Event("round", r.request_id, st.canvas_index, step=st.round, tokens=list(st.rejected)))
+        st.tokens, st.canvas_index = [], 0
+        if st.prefilled != len(r.prompt) or self.runner.cache.row_lengths[st.row] != len(r.prompt):
             # the row holds committed canvases: start again from the prompt alone (the next steps prefill it)
-            self.runner.free([r.row])
-            r.prefilled, r.canvas = None, None
+            self.runner.free([st.row])
+            st.prefilled, st.denoising = None, None
         else:
             self._start_canvas(r)
         return True
 
-    def _finish(self, r: Request, reason: str):
-        r.finish_reason = reason
-        r.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
-        r.t_done = time.perf_counter()
-        r.soft = r.canvas = r.history = r.answer = r.argmax_tokens = None
+    def _finish(self, r: Request | ScoreRequest, reason: str):
+        st = r.state
+        st.finish_reason = reason
+        st.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
+        st.t_done = time.perf_counter()
+        if not r.scoring:
+            st.soft = st.denoising = st.answer = st.argmax_tokens = None
         row = self.scheduler.release(r)
         if row is not None:
             self.runner.free([row])
-        r.emit(Event("finished", r.request_id, r.canvas_index, finish_reason=reason))
+        st.emit(Event("finished", r.request_id, st.canvas_index if not r.scoring else 0, finish_reason=reason))

@@ -18,7 +18,7 @@ collective (or any failed step: the ranks would no longer agree) raises `RanksLo
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import threading
 
 import torch.distributed as dist
@@ -90,7 +90,7 @@ class LockstepEngine(Engine):
         if cancelled:
             for r in list(self.waiting) + self.active:
                 if r.request_id in cancelled:
-                    r.cancel_requested = True
+                    r.state.cancel_requested = True
         try:
             super().step()
         except Exception as e:  # one rank's failure leaves the ranks out of step: none can go on
@@ -123,9 +123,9 @@ class LockstepEngine(Engine):
 
 
 def _portable(request):
-    """The request as the followers get it: the same inputs and id, without the leader's callbacks."""
-    copied = copy.copy(request)
-    copied.on_event = None
-    return copied
+    """The request as the followers get it: the same inputs and id, a fresh state, no callbacks."""
+    if request.scoring:
+        return dataclasses.replace(request)
+    return dataclasses.replace(request, images=request.state.images, on_event=None)
 
 

@@ -131,8 +131,11 @@ class PrefixCache:
             self.stats.evictions += 1
         self.stats.blocks = len(self.blocks)
 
-    def clear(self):
+    def clear(self, counters: bool = False):
+        """Drop every block; `counters`: start the counters again too (after a warm-up's throwaway prompts)."""
         self.blocks.clear()
+        if counters:  # in place: whoever reports the counters may hold the object
+            vars(self.stats).update(vars(PrefixCacheStats(budget_bytes=self.budget_bytes)))
         self.stats.blocks = self.stats.bytes = 0
 
 

@@ -24,9 +24,6 @@ from dgemma.device_sync import to_device
 from dgemma.engine.prefix_cache import PrefixCache, RowTrail, image_digest, image_spans
 from dgemma.model.network import PreviousStep, device_vocab_chunk_rows
 
-# Self-conditioning embeddings are made a block of positions at a time from the probabilities buffer, so the
-# temporaries stay (block, V) next to the one (B, L, V) buffer; the block depends on the device.
-
 
 def model_key(model) -> str:
     """What makes one model's cache entries differ from another's: its shape, dtype and quantisation (the

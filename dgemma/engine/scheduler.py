@@ -46,7 +46,7 @@ class Scheduler:
         self.wakeup.set()
 
     def cancel(self, request: Request):
-        request.cancel_requested = True
+        request.state.cancel_requested = True
         self.wakeup.set()
 
     def has_work(self) -> bool:
@@ -58,10 +58,10 @@ class Scheduler:
         """Cancelled requests, waiting ones first; the waiting ones leave the queue here, the active
         ones when the engine releases their rows."""
         with self.lock:
-            waiting = [r for r in self.waiting if r.cancel_requested]
+            waiting = [r for r in self.waiting if r.state.cancel_requested]
             for r in waiting:
                 self.waiting.remove(r)
-        return waiting + [r for r in self.active if r.cancel_requested]
+        return waiting + [r for r in self.active if r.state.cancel_requested]
 
     def admit(self):
         """Yield waiting requests, oldest first, each given a free row, for as long as rows are free."""
@@ -70,8 +70,8 @@ class Scheduler:
                 if not self.waiting:
                     return
                 request = self.waiting.popleft()
-            request.row = self.free_rows.pop(0)
-            request.status = Status.DENOISING
+            request.state.row = self.free_rows.pop(0)
+            request.state.status = Status.DENOISING
             self.active.append(request)
             yield request
 
@@ -79,7 +79,7 @@ class Scheduler:
         """The request leaves the batch; returns the row it held (for the cache to reset), if any."""
         if request in self.active:
             self.active.remove(request)
-        row, request.row = request.row, None
+        row, request.state.row = request.state.row, None
         if row is not None:
             self.free_rows.append(row)
         return row

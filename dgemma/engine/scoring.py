@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dgemma.device_sync import to_device
-from dgemma.engine.request import Request
+from dgemma.engine.request import ScoreRequest
 
 # A cluster must save at least this many encoded tokens; below that a row copy is not worth it.
 MIN_SHARED_TOKENS = 8
@@ -115,18 +115,18 @@ class ScoringBatch:
     A prompt whose start is in the engine's prefix cache takes it (entries and the encoder's hidden
     states, scored here at once) and encodes the rest alone; the others share prefixes as above."""
 
-    def __init__(self, requests: list[Request], chunk_tokens: int, runner):
+    def __init__(self, requests: list[ScoreRequest], chunk_tokens: int, runner):
         self.requests = requests
         self.chunk_tokens = chunk_tokens
         self.runner = runner
-        self.k = max(1, max(r.score_top for r in requests))
+        self.k = max(1, max(r.top for r in requests))
         self.scores = {id(r): PromptScores(torch.full((len(r.prompt) - 1,), float("nan")),
                                            torch.zeros(len(r.prompt), self.k, dtype=torch.long),
                                            torch.zeros(len(r.prompt), self.k))
                        for r in requests}
         cached = []
         for r in requests:  # at least the last token is encoded: its row must hold something of its own
-            r.cached_tokens, _, hidden = runner.start_row(r.row, r.prompt, None, r.adapter, len(r.prompt) - 1,
+            r.state.cached_tokens, _, hidden = runner.start_row(r.state.row, r.prompt, None, r.adapter, len(r.prompt) - 1,
                                                           want_hidden=True)
             if r.cached_tokens:
                 cached.append(r)
@@ -147,9 +147,9 @@ class ScoringBatch:
 
     @property
     def cancelled(self) -> bool:
-        return all(r.cancel_requested for r in self.requests)
+        return all(r.state.cancel_requested for r in self.requests)
 
-    def _score_cached(self, r: Request, hidden: torch.Tensor):
+    def _score_cached(self, r: ScoreRequest, hidden: torch.Tensor):
         """Positions 0 .. n - 1 of a prompt from the cached hidden states (n, H)."""
         n = hidden.shape[0]
         targets = torch.tensor(r.prompt[1 : n + 1])
@@ -179,12 +179,12 @@ class ScoringBatch:
             if self.phase == "prefix":
                 for members, q in self.clusters:
                     if q > 0 and len(members) > 1:
-                        self.runner.copy_row(members[0].row, [r.row for r in members[1:]])
+                        self.runner.copy_row(members[0].state.row, [r.state.row for r in members[1:]])
                 self.phase, self.offset = "own", 0
             else:
                 self.phase = "done"
                 for r in self.requests:
-                    r.scores = self.scores[id(r)]
+                    r.state.scores = self.scores[id(r)]
 
     def _encode(self, spans, width: int):
         """Encode positions [start + offset, +width) of every span in its row, right-padded."""
@@ -204,7 +204,7 @@ class ScoringBatch:
             targets[i, : len(piece)] = torch.tensor([r.prompt[j + 1] if j + 1 < len(r.prompt) else -1 for j in span])
         model = self.runner.model
         device = model.device
-        rows = [r.row for r, *_ in spans]
+        rows = [r.state.row for r, *_ in spans]
         hidden = self.runner.encode_rows(ids.to(device), rows, valid.to(device), counts=[len(p) for p in pieces],
                                          tokens=pieces)  # (n, c, H)
         # the positions holding tokens, found on the host (a boolean mask on the device would wait for it)

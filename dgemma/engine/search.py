@@ -25,12 +25,11 @@ class Search:
               fixed=None, fixed_tokens=None, want_drafts: bool = False, on_event=None) -> "Search":
         """The candidate requests of one prompt (not yet submitted): candidate j has seed candidate_seed(seed, j)."""
         check_search(max_rounds, candidates)
-        search = cls([Request(prompt=list(prompt), sampling=sampling, seed=candidate_seed(seed, j), fixed=fixed,
-                              fixed_tokens=fixed_tokens, want_drafts=want_drafts, on_event=on_event,
-                              verifier=verifier, max_rounds=max_rounds, candidate=j)
-                      for j in range(candidates)])
-        for r in search.candidates:
-            r.search = search
+        search = cls([])
+        search.candidates = [Request(prompt=list(prompt), sampling=sampling, seed=candidate_seed(seed, j), fixed=fixed,
+                                     fixed_tokens=fixed_tokens, want_drafts=want_drafts, on_event=on_event,
+                                     verifier=verifier, max_rounds=max_rounds, search=search, candidate=j)
+                             for j in range(candidates)]
         return search
 
     @property
@@ -39,23 +38,24 @@ class Search:
 
     def _best_accepted(self) -> int | None:
         """The fewest forwards an accepted candidate needed so far, or None."""
-        return min((r.forward_passes for r in self.candidates if r.accepted), default=None)
+        return min((r.state.forward_passes for r in self.candidates if r.state.verdict), default=None)
 
     def cannot_win(self, request: Request) -> bool:
         """A candidate still denoising that has run as many forwards as an accepted sibling will end with more."""
         best = self._best_accepted()
-        return best is not None and not request.done and request.forward_passes >= best
+        return best is not None and not request.done and request.state.forward_passes >= best
 
     @property
     def winner(self) -> Request:
-        finished = [r for r in self.candidates if r.accepted is not None] or self.candidates
-        return min(finished, key=lambda r: winner_key(bool(r.accepted), len(r.rejected or ()), r.forward_passes,
-                                                      r.candidate))
+        finished = [r for r in self.candidates if r.state.verdict is not None] or self.candidates
+        return min(finished, key=lambda r: winner_key(bool(r.state.verdict), len(r.state.rejected or ()),
+                                                      r.state.forward_passes, r.candidate))
 
     def stats(self) -> dict:
         """accepted, rounds (the winner's), candidate (the winner's index), forwards (decoder forwards of
         every candidate, the search's cost), winner_forwards, rejected (the winner's last verdict)."""
-        w = self.winner
-        return {"accepted": bool(w.accepted), "rounds": w.round, "candidate": w.candidate,
-                "candidates": len(self.candidates), "forwards": sum(r.forward_passes for r in self.candidates),
+        w = self.winner.state
+        return {"accepted": bool(w.verdict), "rounds": w.round, "candidate": self.winner.candidate,
+                "candidates": len(self.candidates),
+                "forwards": sum(r.state.forward_passes for r in self.candidates),
                 "winner_forwards": w.forward_passes, "rejected": list(w.rejected or ())}

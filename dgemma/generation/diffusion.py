@@ -7,7 +7,7 @@ Block diffusion, one canvas of L = `canvas_length` tokens at a time:
         canvas = L uniform random tokens
         for step in 0 .. max_denoising_steps-1:      (the reference counts these down N..1)
             logits = denoise(canvas, cache, self-conditioning = softmax of previous step's scaled logits)
-            sample / accept (in sampling.accept_order) / re-noise (dgemma.sampling.sampler_step, halved)
+            sample / accept (in sampling.accept_order) / re-noise (dgemma.generation.denoising: one step)
             stop the row when its argmax canvas is stable and its mean entropy is low
         commit the ARGMAX canvas (tokens after the first EOS -> pad) and encode it into the cache
 
@@ -32,7 +32,6 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read, to_device
-from dgemma.generation.step_cache import StepCache
 from dgemma.generation.canvas import (
     canvases_for,
     columns_left,
@@ -41,15 +40,9 @@ from dgemma.generation.canvas import (
     pad_after_eos,
     template_slice,
 )
+from dgemma.generation.denoising import CanvasDenoising
 from dgemma.model.network import PreviousStep
-from dgemma.sampling import (
-    adaptive_stop,
-    new_argmax_history,
-    random_tokens,
-    seed_or_random,
-    temperature_schedule,
-)
-from dgemma.sampling.sampler import draw_samples, scan_step
+from dgemma.sampling import seed_or_random
 
 # on_canvas(canvas_index, new_tokens, finished): new_tokens[b] are row b's tokens committed by this canvas
 # (before its first EOS, within max_new_tokens; [] for a row already finished); finished[b] says the row
@@ -285,62 +278,26 @@ def denoise_canvas(
 
     The host reads once per step: the rows' stop flags and how many positions take a sample.
     """
-    batch_size, device = frozen.shape[0], frozen.device
-    shape = (batch_size, model.config.canvas_length)
-    num_steps = sampling.max_denoising_steps
-    canvas = random_tokens(shape, model.config.vocab_size, generator, device)
-    if fixed is not None:
-        canvas = torch.where(fixed, fixed_tokens, canvas)
-    argmax = canvas  # the draft before any step (what the reference starts from, too)
-    done = frozen.clone()  # rows whose canvas has stopped
-    done_rows = [bool(f) for f in (host_read(frozen, "canvas start") if frozen_rows is None else frozen_rows)]
-    steps = torch.zeros(batch_size, dtype=torch.long, device=device)
-    history = new_argmax_history(sampling.stability_threshold, *shape, device)
+    denoising = CanvasDenoising(sampling, generator, frozen.shape[0], model.config.canvas_length,
+                                model.config.vocab_size, frozen.device, frozen=frozen, frozen_rows=frozen_rows,
+                                fixed=fixed, fixed_tokens=fixed_tokens, answers=answers, budget=budget)
     self_conditioning = None  # no signal at the first step
-    chosen: dict[int, torch.Tensor] = {}  # constrained rows: the canvas they commit
-    step_cache = StepCache(sampling, *shape, model.config.vocab_size, device) if sampling.step_cache else None
-    for step_index in range(num_steps):
-        steps += ~done
-        if step_cache is None:
-            logits = model.denoise(canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
+    while not denoising.finished:
+        if denoising.step_cache is None:
+            logits = model.denoise(denoising.canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
         else:  # only the active positions run; stopped rows not at all
-            logits = step_cache.logits_for(model, canvas, cache, done, self_conditioning=self_conditioning)
+            logits = denoising.step_cache.logits_for(model, denoising.canvas, cache, denoising.done,
+                                                     self_conditioning=self_conditioning)
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
-        temperature = temperature_schedule(step_index, num_steps, sampling.t_min, sampling.t_max)
-        scanned = scan_step(logits, temperature, sampling.entropy_bound, generator, fixed=fixed,
-                            fixed_tokens=fixed_tokens, accept_order=sampling.accept_order)
-        argmax = torch.where(done[:, None], argmax, scanned.argmax)
-        stop, history = adaptive_stop(history, argmax, scanned.entropy, sampling.confidence_threshold, fixed)
-        *stop_rows, drawn = host_read(torch.cat([stop.long(), scanned.drawn.sum().view(1)]), "step")
-        result = draw_samples(scanned, drawn)
-        was_done = list(done_rows)
-        if answers is not None:  # constrained rows: accepted positions take tokens of a valid answer
-            for row, answer in enumerate(answers):
-                if answer is not None and not was_done[row]:
-                    result.canvas[row] = answer.guide(result.canvas[row], result.accepted[row], logits[row], budget,
-                                                      generator)
-        canvas = torch.where(done[:, None], canvas, result.canvas)
-        if step_cache is not None:
-            step_cache.settle(scanned.argmax, logits, result.accepted, canvas, done)
-        if not sampling.fixed_steps:
-            done |= stop
-            done_rows = [d or bool(s) for d, s in zip(done_rows, stop_rows)]
-        if answers is not None:  # rows that stop here commit this step's most probable valid canvas
-            last_step = step_index == num_steps - 1
-            for row, answer in enumerate(answers):
-                if answer is not None and not was_done[row] and (done_rows[row] or last_step):
-                    chosen[row] = answer.commit(logits[row], budget)
+        pending = denoising.scan(logits)
+        *stop_rows, drawn = host_read(torch.cat([pending.stop.long(), pending.drawn_count.sum().view(1)]), "step")
+        result = denoising.advance(pending, stop_rows, drawn)
         self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
-            on_draft(step_index, argmax, result.entropy, result.accepted)
-        if all(done_rows):
-            break
-    for row, tokens in chosen.items():
-        argmax[row] = tokens
+            on_draft(denoising.step_index - 1, denoising.argmax, result.entropy, result.accepted)
     if decoder_positions is not None:
-        counts = step_cache.decoder_positions if step_cache is not None else [shape[1] * (step_index + 1)] * batch_size
-        decoder_positions[:] = [d + c for d, c in zip(decoder_positions, counts)]
-    return argmax, steps
+        decoder_positions[:] = [d + c for d, c in zip(decoder_positions, denoising.decoder_positions)]
+    return denoising.committed(), denoising.steps
 
 
 def _constrained_answers(constraint, batch_size: int, sampling: SamplingConfig, template, guide_steps: bool):

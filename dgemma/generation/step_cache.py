@@ -57,17 +57,25 @@ class StepCache:
 
     def logits_for(self, model, canvas: torch.Tensor, cache, done: torch.Tensor, *, self_conditioning=None,
                    rows=None) -> torch.Tensor:
-        """The step's logits (B, L, V) fp32: the active positions computed now (one host read: their counts),
-        the rest as last computed. A new buffer, which the sampler may overwrite."""
+        """The step's logits (B, L, V) fp32 from `model.decode_active` over the active positions (one host read:
+        their counts), the rest as last computed. A new buffer, which the sampler may overwrite."""
         active = self.active(canvas, done)
         counts = host_read(active.sum(dim=1), "step cache: active positions")
         pack = PackedPositions.from_mask(active, counts)
+        computed = None
         if pack.total:
             computed = model.decode_active(canvas, cache, pack, self_conditioning=self_conditioning, rows=rows)
+        return self.take(computed, pack, canvas, active)
+
+    def take(self, computed: torch.Tensor | None, pack: PackedPositions, canvas: torch.Tensor,
+             active: torch.Tensor) -> torch.Tensor:
+        """After a forward over `pack` (this cache's rows' `active` positions, packed): computed (N, V) fp32 their
+        logits (None when N = 0) -> the step's logits (B, L, V), a new buffer the sampler may overwrite."""
+        if computed is not None:
             pack.scatter(computed, self.logits)
         self.computed_with = torch.where(active, canvas, self.computed_with)
         self.settled &= ~active
-        self.decoder_positions = [d + c for d, c in zip(self.decoder_positions, counts)]
+        self.decoder_positions = [d + c for d, c in zip(self.decoder_positions, pack.counts)]
         self.steps += 1
         return self.logits.clone()
 

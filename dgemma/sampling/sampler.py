@@ -10,7 +10,7 @@ A step (the reference is transformers' `generation_diffusion_gemma.py`; see docs
      The acceptance order is a choice (`ACCEPT_ORDERS`, `acceptance_uncertainty`): entropy, the
      reference's, or the top-2 probability margin or the top-1 probability, each under the same bound.
 The reference feeds the temperature-scaled logits back as self-conditioning, and the model only ever
-uses their softmax; `sampler_step` leaves exactly that softmax in the logits buffer (in place), so the
+uses their softmax; `scan_step` leaves exactly that softmax in the logits buffer (in place), so the
 next step's signal costs no second (B, L, V) buffer and no second softmax.
 
 Randomness comes only from the `torch.Generator` passed in, in a fixed order per step: one uniform per
@@ -18,7 +18,7 @@ position, then one (B, L) draw of re-noising tokens. The same seed, device and s
 
 Cost: the vocabulary-sized work is the main non-matmul cost of a denoising step, so every pass over
 (B, L, V) memory counts: one scan computes argmax, entropy and probabilities together, and the sample
-(a cumulative sum over V) is only drawn where it is kept, at the accepted positions (see `sampler_step`).
+(a cumulative sum over V) is only drawn where it is kept, at the accepted positions (see `scan_step`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def token_entropy(scaled_logits: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of softmax over the last dim: (..., V) -> (...), in the reference's own form.
 
     Written as torch.distributions.Categorical computes it (normalise to log-probabilities, softmax of
-    those, clamp -inf), so it is bit-identical to the reference's entropies. `sampler_step` computes the
+    those, clamp -inf), so it is bit-identical to the reference's entropies. `scan_step` computes the
     same quantity in fewer passes over memory (within 1e-5 nats, tested).
     """
     log_probs = scaled_logits - scaled_logits.logsumexp(-1, keepdim=True)
@@ -194,20 +194,14 @@ def _first_index_of(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class StepResult:
-    canvas: torch.Tensor  # (B, L) long: the next decoder input (accepted samples, the rest re-noised)
-    argmax: torch.Tensor  # (B, L) long: argmax of the scaled logits, the draft that gets committed
-    entropy: torch.Tensor  # (B, L) fp32: entropy of softmax(logits / T); 0 at fixed positions
-    accepted: torch.Tensor  # (B, L) bool: positions whose fresh sample was kept
-
-
-@dataclass
 class ScannedStep:
-    """A sampler step before its samples are drawn (`scan_step`): everything but the canvas is known."""
+    """A sampler step: `scan_step` knows everything but the samples, `draw_samples` puts them in the canvas."""
 
     probs: torch.Tensor  # (B * L, V): softmax(logits / T), in the logits buffer
     uniforms: torch.Tensor  # (B * L,): one per position, for the inverse-CDF draw
-    canvas: torch.Tensor  # (B, L) long: the re-noised canvas (fixed tokens in place), samples not yet in
+    # (B, L) long: the next decoder input: the re-noised canvas (fixed tokens in place), the accepted
+    # positions' samples put in by `draw_samples`
+    canvas: torch.Tensor
     argmax: torch.Tensor  # (B, L) long
     entropy: torch.Tensor  # (B, L) fp32
     accepted: torch.Tensor  # (B, L) bool
@@ -226,8 +220,23 @@ def scan_step(
     scan=scan_logits,
     accept_order: str = "entropy",
 ) -> ScannedStep:
-    """The first part of `sampler_step`, without reading anything back to the host: the scan, the
-    step's random numbers and the acceptance. logits (B, L, V) is overwritten with the probabilities.
+    """The first half of a sampler step, without reading anything back to the host: the scan, the
+    step's random numbers and the acceptance. logits (B, L, V) fp32 is overwritten IN PLACE with
+    softmax(logits / T), the probabilities the next step's self-conditioning embeds.
+
+    Per chunk of positions: `scan` (argmax, entropy and the probabilities, see `scan_logits`; a
+    compiled copy of it may be passed). Then the acceptance; the samples come in `draw_samples`: a
+    position that is not accepted is re-noised, so its sample would be thrown away, and the inverse-CDF
+    draw (a cumulative sum over V) runs on the accepted rows alone; early in a canvas that is a handful of
+    its positions. Every position still gets its uniform, so the random stream, and with it every token,
+    is the same as sampling everywhere (as the reference does). Only (chunk, V) temporaries are allocated.
+    Two halves let a caller that reads values back once per step learn the number of drawn positions in
+    that read instead of waiting for `nonzero`.
+
+    Canvas templates: `fixed` (B, L) bool marks positions that must hold `fixed_tokens` (B, L) long.
+    They are known, so their entropy counts as 0: they use none of the entropy budget, are always
+    "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
+    self-conditioning probabilities there stay the model's own.)
     `accept_order`: which uncertainty the bound accepts by (`acceptance_uncertainty`); the entropy the
     result carries (for the stop rule and drafts) is the entropy whatever the order."""
     B, L, V = logits.shape
@@ -259,9 +268,9 @@ def scan_step(
 
 
 def draw_samples(scanned: ScannedStep, count: int | None = None,
-                 chunk_elements: int = CHUNK_ELEMENTS) -> StepResult:
-    """The second part of `sampler_step`: the samples of the drawn positions go into the canvas (in
-    place). `count`: how many positions are drawn (`scanned.drawn.sum()`), when the caller has read it
+                 chunk_elements: int = CHUNK_ELEMENTS) -> ScannedStep:
+    """The second half of a sampler step: the samples of the drawn positions go into the canvas (in
+    place); returns the step. `count`: how many positions are drawn (`scanned.drawn.sum()`), when the caller has read it
     already; without it, finding them waits for the device (`nonzero`)."""
     drawn = scanned.drawn.view(-1)
     # flat positions that keep their sample; with the count known, nonzero_static does not wait
@@ -270,40 +279,4 @@ def draw_samples(scanned: ScannedStep, count: int | None = None,
     for start in range(0, where.shape[0], step):
         index = where[start : start + step]
         scanned.canvas.view(-1)[index] = inverse_cdf(scanned.probs[index], scanned.uniforms[index])
-    return StepResult(canvas=scanned.canvas, argmax=scanned.argmax, entropy=scanned.entropy,
-                      accepted=scanned.accepted)
-
-
-def sampler_step(
-    logits: torch.Tensor,
-    temperature: float,
-    entropy_bound: float,
-    generator: torch.Generator | None,
-    *,
-    fixed: torch.Tensor | None = None,
-    fixed_tokens: torch.Tensor | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
-    scan=scan_logits,
-    accept_order: str = "entropy",
-) -> StepResult:
-    """The fused sampler step. logits (B, L, V) fp32 is overwritten IN PLACE with softmax(logits / T),
-    the probabilities the next step's self-conditioning embeds.
-
-    Per chunk of positions: `scan` (argmax, entropy and the probabilities, see `scan_logits`; a
-    compiled copy of it may be passed). Then the acceptance, and only then the samples: a position that
-    is not accepted is re-noised, so its sample would be thrown away, and the inverse-CDF draw (a
-    cumulative sum over V) runs on the accepted rows alone; early in a canvas that is a handful of its
-    positions. Every position still gets its uniform, so the random stream, and with it every token, is
-    the same as sampling everywhere (as the reference does). Only (chunk, V) temporaries are allocated.
-
-    Canvas templates: `fixed` (B, L) bool marks positions that must hold `fixed_tokens` (B, L) long.
-    They are known, so their entropy counts as 0: they use none of the entropy budget, are always
-    "accepted", are never re-noised, and their argmax/sample is the fixed token. (The
-    self-conditioning probabilities there stay the model's own.)
-
-    The two halves, `scan_step` and `draw_samples`, let a caller that reads values back once per step
-    (the engine) learn the number of drawn positions in that read instead of waiting for `nonzero`.
-    """
-    scanned = scan_step(logits, temperature, entropy_bound, generator, fixed=fixed, fixed_tokens=fixed_tokens,
-                        chunk_elements=chunk_elements, scan=scan, accept_order=accept_order)
-    return draw_samples(scanned, chunk_elements=chunk_elements)
+    return scanned

@@ -225,7 +225,7 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
                for prompt, echo, stream in zip(prompts, echoes, streams)]
     counts = usage(sum(len(p) for p in prompts), len(prompts) * body.max_tokens,
                    sum(s.request.cached_tokens for s in streams))
-    stats = {"elapsed_s": time.perf_counter() - streams[0].request.t_submit}
+    stats = {"elapsed_s": time.perf_counter() - streams[0].request.state.t_submit}
     return writer.response([(c["text"], "length") for c in choices], counts, stats,
                            logprobs=[c["logprobs"] for c in choices])
 

@@ -9,7 +9,7 @@ Three places feed it:
   - gauges read when scraped: queue depth, active rows, which step runs (eager or compiled).
 
 Prefix cache: an engine request that reused cached prefix positions says how many in
-`Request.cached_prefix_tokens` (absent or None: no prefix cache ran); `finished` counts them in
+its `cached_tokens` (0 without a prefix cache); `finished` counts them in
 dgemma_prefix_cache_hit_tokens_total and the requests that hit in dgemma_prefix_cache_hits_total. What
 the cache holds (blocks, bytes, budget) and its blocks stored and evicted are read from the engine's
 `PrefixCacheStats` at each scrape, as /health shows them (nothing while the cache is off).
@@ -86,10 +86,11 @@ class ServerMetrics:
         """An engine request ended (any reason): its tokens, its canvases' steps, its prefix-cache reuse."""
         self.finished.labels(reason=request.finish_reason or "unknown", model=self.model_of(request)).inc()
         self.prompt_tokens.inc(len(request.prompt))
-        self.generated_tokens.inc(len(request.tokens))
-        for steps in request.steps_per_canvas:
-            self.steps_per_canvas.observe(steps)
-        cached = getattr(request, "cached_prefix_tokens", None)
+        if not request.scoring:
+            self.generated_tokens.inc(len(request.tokens))
+            for steps in request.steps_per_canvas:
+                self.steps_per_canvas.observe(steps)
+        cached = request.cached_tokens
         if cached:
             self.prefix_hits.inc()
             self.prefix_hit_tokens.inc(cached)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from dgemma.engine import Engine, Event, QueueFull, Request
+from dgemma.engine import Engine, Event, QueueFull, Request, ScoreRequest
 from dgemma.engine.lockstep import RanksLost
 
 log = logging.getLogger("dgemma.serve")
@@ -111,7 +111,7 @@ class EngineWorker:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            stream.request.on_event = None
+            stream.request.state.on_event = None
             stream.push(Failure(self.fatal or "the server is shutting down", status=503))
 
     @property
@@ -130,13 +130,13 @@ class EngineWorker:
 
     def submit_scoring(self, prompts: list[list[int]], top: int) -> list[RequestStream]:
         """Queue one scoring request per prompt (`top` alternatives per position), all or none."""
-        return self._submit([Request(prompt=p, sampling=None, seed=0, score_top=top) for p in prompts])
+        return self._submit([ScoreRequest(prompt=p, top=top) for p in prompts])
 
-    def _submit(self, requests: list[Request]) -> list[RequestStream]:
+    def _submit(self, requests: list[Request | ScoreRequest]) -> list[RequestStream]:
         loop = asyncio.get_running_loop()
         streams = [RequestStream(r, loop) for r in requests]
         for request, stream in zip(requests, streams):
-            request.on_event = functools.partial(self._on_event, stream)
+            request.state.on_event = functools.partial(self._on_event, stream)
         # Never hold our lock while the engine takes its own: the engine thread reports events (and so
         # takes our lock in _on_event) while holding the engine's lock.
         with self._lock:
@@ -181,7 +181,7 @@ class EngineWorker:
                 self._streams.pop(event.request_id, None)
             request = stream.request
             if event.finish_reason != "cancelled":
-                self._recent_seconds.append(time.perf_counter() - request.t_submit)
+                self._recent_seconds.append(time.perf_counter() - request.state.t_submit)
             if self.observer is not None:
                 self.observer.request_finished(request)
         stream.push(event)
@@ -230,5 +230,5 @@ class EngineWorker:
                 log.exception("could not rebuild the engine; the server stops taking requests")
                 self._stopping.set()
         for stream in streams:
-            stream.request.on_event = None  # whatever the old engine still holds stays silent
+            stream.request.state.on_event = None  # whatever the old engine still holds stays silent
             stream.push(Failure(message))

@@ -140,7 +140,7 @@ def _evaluate_diffusion(model, puzzles, batch, sampling, clamp, seed, run, round
                               want_drafts=True)
         for r in search.candidates:
             trackers[r.request_id] = t = SettleTracker()
-            r.on_event = lambda e, t=t: t.add(e) if e.kind == "draft" else (t.__init__() if e.kind == "round" else None)
+            r.state.on_event = lambda e, t=t: t.add(e) if e.kind == "draft" else (t.__init__() if e.kind == "round" else None)
         searches.append(search)
     requests = [r for s in searches for r in s.candidates]
     for r in requests:
@@ -153,7 +153,7 @@ def _evaluate_diffusion(model, puzzles, batch, sampling, clamp, seed, run, round
     for r in winners:
         t = trackers[r.request_id]  # the drafts of the winner's last round
         steps += sum(r.steps_per_canvas)
-        forwards_tokens += r.committed_non_pad
+        forwards_tokens += r.state.committed_non_pad
         changed, total = t.corrections()
         corrections += changed
         accepted_total += total
