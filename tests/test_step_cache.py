@@ -128,9 +128,11 @@ def test_with_positionwise_logits_the_cache_changes_no_token_and_saves_positions
     from dgemma.generation import generate
 
     prompts = [[5, 6], [7, 8, 9]]
-    off = generate(PositionwiseModel(), prompts, _sampling(), seed=3)
     model = PositionwiseModel()
-    on = generate(model, prompts, _sampling(step_cache=True, settle_probability=0.9), seed=3)
+    # every position accepted at every step: no settled position is re-noised, so the cache is exact here
+    exact = dict(entropy_bound=1e9)
+    off = generate(PositionwiseModel(), prompts, _sampling(**exact), seed=3)
+    on = generate(model, prompts, _sampling(step_cache=True, settle_probability=0.9, **exact), seed=3)
     assert on.tokens == off.tokens and on.steps_per_canvas == off.steps_per_canvas
     assert sum(on.decoder_positions) < sum(off.decoder_positions)
     # without the cache the plain loop runs every row's whole canvas at every step the batch takes
@@ -156,25 +158,27 @@ def test_settle_rule():
     sampling = _sampling(step_cache=True, settle_steps=2, settle_probability=0.9)
     cache = StepCache(sampling, 1, 4, 3, "cpu")
     done = torch.zeros(1, dtype=torch.bool)
-    canvas = torch.tensor([[0, 1, 2, 0]])
-    assert cache.active(canvas, done).all()  # the first step computes everything
-    cache.computed_with = canvas.clone()
+    assert cache.active(done).all()  # the first step computes everything
+    cache.computed_with = torch.tensor([[0, 0, 0, 7]])
     cache.steps = 1
     sure = torch.tensor([0.95, 0.02, 0.03])
     probs = sure.expand(1, 4, 3).clone()
-    probs[0, 3] = torch.tensor([0.5, 0.3, 0.2])  # position 3: stable but not sure enough
+    probs[0, 2] = torch.tensor([0.5, 0.3, 0.2])  # position 2: stable but not sure enough
     argmax = torch.zeros(1, 4, dtype=torch.long)
-    accepted = torch.tensor([[True, True, False, True]])  # position 2 was not accepted
-    next_canvas = torch.tensor([[0, 0, 0, 0]])
-    cache.settle(argmax, probs, accepted, next_canvas, done)
+    drawn = torch.tensor([[True, False, True, True]])  # position 1 is re-noised; 3 draws 0, computed with 7
+    next_canvas = torch.tensor([[0, 9, 0, 0]])
+    cache.settle(argmax, probs, drawn, drawn, next_canvas, done)
     assert not cache.settled.any()  # one step of the same argmax is not yet stable
-    cache.settle(argmax, probs, accepted, next_canvas, done)
-    assert cache.settled.tolist() == [[True, True, False, False]]
-    # position 0 reads the token it was computed with: skipped; position 1 reads another one: it wakes
-    assert cache.active(torch.tensor([[0, 0, 0, 0]]), done).tolist() == [[False, True, True, True]]
-    assert not cache.active(canvas, torch.ones(1, dtype=torch.bool)).any()  # a stopped row: nothing
+    cache.settle(argmax, probs, drawn, drawn, next_canvas, done)
+    assert cache.settled.tolist() == [[True, True, False, False]]  # 3 waits until computed with its sample
+    assert cache.active(done).tolist() == [[False, False, True, True]]
+    assert not cache.active(torch.ones(1, dtype=torch.bool)).any()  # a stopped row: nothing
+    # position 1 is re-noised again: it stays settled; position 0 draws another token than the one it was
+    # computed with: it wakes
+    cache.settle(argmax, probs, drawn, drawn, torch.tensor([[2, 5, 0, 0]]), done)
+    assert cache.settled.tolist() == [[False, True, False, False]]
     cache.refresh, cache.steps = 4, 4
-    assert cache.active(canvas, done).all()  # a refresh step computes everything
+    assert cache.active(done).all()  # a refresh step computes everything
 
 
 def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
@@ -212,3 +216,42 @@ def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path)
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(tmp_path), "--prompt", "x", "--settle-probability", "2"])
     assert e.value.code == 2 and "must be in [0, 1]" in capsys.readouterr().err
+
+
+# -- the engine against the plain loop, with the cache on ----------------------------------------------------------
+PUZZLES = [
+    "530070000600195000098000060800060003400803001700020006060000280000419005000080079",
+    "000260701680070090190004500820100040004602900050003028009300074040050036703018000",
+    "100489006730000040000001295007120600500703008006095700914600000020000037800512004",
+    "020810740700003100090002805009040087400208003160030200302700060005600008076051090",
+]
+
+
+@pytest.fixture(scope="module")
+def sudoku_model():
+    from dgemma.commands.sudoku import SHIPPED
+
+    return dgemma.load_model(SHIPPED)
+
+
+def test_sudoku_engine_equals_the_plain_loop_with_the_cache_on(sudoku_model):
+    """Rows with different numbers of active positions share each engine step (packed); every request's
+    tokens, steps and decoder positions are the plain loop's, and fewer positions run than without the cache."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+    from dgemma.tasks import sudoku
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH, sudoku_sampling
+
+    prompts = [sudoku.encode_prompt(sudoku.parse_puzzle(p)) for p in PUZZLES]
+    on = sudoku_sampling(sudoku_model, 0, step_cache=True)
+    plain = [generate(sudoku_model, [p], on, seed=7 + i) for i, p in enumerate(prompts)]
+    engine = Engine(sudoku_model, max_batch=4, max_length=MAX_LENGTH)
+    requests = engine.generate(prompts, on, seeds=[7 + i for i in range(len(prompts))])
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+        assert r.stats()["decoder_positions"] == p.decoder_positions[0]
+    off = engine.generate(prompts, on.replace(step_cache=False), seeds=[7 + i for i in range(len(prompts))])
+    positions_off = [r.stats()["decoder_positions"] for r in off]
+    assert positions_off == [81 * s for r in off for s in r.steps_per_canvas]
+    assert sum(r.stats()["decoder_positions"] for r in requests) < 0.5 * sum(positions_off)
+    assert engine.decoder_positions == sum(positions_off) + sum(r.stats()["decoder_positions"] for r in requests)

@@ -76,8 +76,9 @@ def test_plain_loop_matches_the_engine_and_mixes_with_free_rows(gemma_model):
 
 def test_with_the_step_cache_constrained_positions_settle_only_on_the_tokens_the_guide_placed(gemma_model,
                                                                                              monkeypatch):
-    """Settling as eagerly as the rule allows: a position settles only on the token it reads next, which at a
-    constrained row's accepted positions is the guide's (a valid answer's) token; answers still validate."""
+    """Settling as eagerly as the rule allows: a settled position the sampler keeps was computed with the token
+    it reads, which at a constrained row's accepted positions is the guide's (a valid answer's) token; answers
+    still validate."""
     from dgemma.generation import generate
     from dgemma.generation.step_cache import StepCache
 
@@ -87,10 +88,11 @@ def test_with_the_step_cache_constrained_positions_settle_only_on_the_tokens_the
     checks = {"settled": 0, "guided": 0}
     settle = StepCache.settle
 
-    def checked(self, argmax, probs, accepted, next_canvas, done):
-        settle(self, argmax, probs, accepted, next_canvas, done)
-        assert (next_canvas[self.settled] == argmax[self.settled]).all()
-        checks["settled"] += int(self.settled.sum())
+    def checked(self, argmax, probs, accepted, drawn, next_canvas, done):
+        settle(self, argmax, probs, accepted, drawn, next_canvas, done)
+        kept = self.settled & drawn  # settled positions the sampler keeps read the guide's token, computed with it
+        assert (next_canvas[kept] == self.computed_with[kept]).all()
+        checks["settled"] += int(kept.sum())
         checks["guided"] += int((accepted & (next_canvas != argmax)).sum())  # the guide overrode the argmax
 
     monkeypatch.setattr(StepCache, "settle", checked)

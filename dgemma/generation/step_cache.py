@@ -8,15 +8,18 @@ attend to).
 
 The rule, per row and canvas position, over one canvas:
   * the first step computes every position, and so does every `cache_refresh`-th step (0: never);
-  * a position settles when its argmax has been the same for `settle_steps` consecutive steps, its top
-    probability at the step's temperature is >= `settle_probability`, the sampler accepted it and the token
-    it reads next step is that argmax (so a constrained row's settled positions hold tokens its automaton
-    allowed: the guide put them there);
-  * a settled position wakes (is computed again) when the token it reads differs from the one it was last
-    computed with (the sampler drew another sample, or re-noised it);
+  * a position settles when its argmax has been the same for `settle_steps` consecutive steps and its top
+    probability at the step's temperature is >= `settle_probability`;
+  * a position the sampler draws a sample for (accepts) runs again when that sample is not the token it was
+    last computed with: a settled one wakes, one about to settle waits. So a settled position the sampler
+    keeps reads the token its logits and keys/values were made from, and at a constrained row's accepted
+    positions that is the guide's token (one its automaton allows);
   * rows that stopped are not computed at all.
 The approximation: a settled position's logits and keys/values were made with the other positions as they
-were then; for a model whose logits at a position depend only on that position's token it is exact.
+were then, and with its own token as it was then: while the sampler re-noises a settled position (it is not
+accepted yet), the others keep seeing the token it was computed with, not the fresh noise the cache-off path
+feeds them, and its self-conditioning is its kept prediction. For a model whose logits at a position depend
+only on that position's token, with every position accepted at every step, it is exact.
 
 `decoder_positions` counts what ran through the decoder, per row.
 
@@ -49,17 +52,17 @@ class StepCache:
         self.steps = 0
         self.decoder_positions = [0] * batch_size  # per row, summed over the steps (host)
 
-    def active(self, canvas: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """canvas (B, L) the step's input, done (B,) rows that stopped -> (B, L) bool: the positions to compute."""
+    def active(self, done: torch.Tensor) -> torch.Tensor:
+        """done (B,) rows that stopped -> (B, L) bool: the positions this step computes."""
         whole = self.steps == 0 or (self.refresh > 0 and self.steps % self.refresh == 0)
-        active = torch.ones_like(self.settled) if whole else ~self.settled | (canvas != self.computed_with)
+        active = torch.ones_like(self.settled) if whole else ~self.settled
         return active & ~done[:, None]
 
     def logits_for(self, model, canvas: torch.Tensor, cache, done: torch.Tensor, *, self_conditioning=None,
                    rows=None) -> torch.Tensor:
         """The step's logits (B, L, V) fp32 from `model.decode_active` over the active positions (one host read:
         their counts), the rest as last computed. A new buffer, which the sampler may overwrite."""
-        active = self.active(canvas, done)
+        active = self.active(done)
         counts = host_read(active.sum(dim=1), "step cache: active positions")
         pack = PackedPositions.from_mask(active, counts)
         computed = None
@@ -79,15 +82,18 @@ class StepCache:
         self.steps += 1
         return self.logits.clone()
 
-    def settle(self, argmax: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor, next_canvas: torch.Tensor,
-               done: torch.Tensor):
+    def settle(self, argmax: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor, drawn: torch.Tensor,
+               next_canvas: torch.Tensor, done: torch.Tensor):
         """After the step's sampler: argmax (B, L), probs (B, L, V) or (B * L, V) its tempered probabilities,
-        accepted (B, L) bool, next_canvas (B, L) what the next step reads, done (B,) rows that stopped."""
+        accepted (B, L) bool, drawn (B, L) bool the positions that took a sample, next_canvas (B, L) what the
+        next step reads, done (B,) rows that stopped."""
         B, L = argmax.shape
         top = probs.reshape(B, L, -1).amax(dim=-1)
         same = argmax == self.last_argmax
         self.stable = torch.where(same, self.stable + 1, torch.ones_like(self.stable))
         self.last_argmax = argmax
-        settles = ((self.stable >= self.settle_steps) & (top >= self.settle_probability) & accepted
-                   & (next_canvas == argmax) & ~done[:, None])
-        self.settled |= settles
+        settles = (self.stable >= self.settle_steps) & (top >= self.settle_probability) & ~done[:, None]
+        # a position that takes a sample other than the token it was computed with runs again (a settled one
+        # wakes, and one that would settle now waits until it has been computed with its token)
+        stale = drawn & (next_canvas != self.computed_with)
+        self.settled = (self.settled | settles) & ~stale
