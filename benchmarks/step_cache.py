@@ -8,8 +8,9 @@
 
     python benchmarks/step_cache.py sudoku --file DIR/test_medium.txt [--limit N] [--batch 32] [--plot out.png]
         Cache on against off on sudoku test puzzles (the shipped model unless --model; single shot, eager,
-        the plain loop, batch rows per forward): solved with the 95% Wilson interval, decoder positions and
-        wall time per puzzle, side by side in one run; --plot draws the mean active positions per row by step.
+        through the engine as `dgemma sudoku eval`): solved with the 95% Wilson interval, denoising steps,
+        decoder positions and wall time per puzzle, side by side in one run; --plot draws the mean active
+        positions per running row by step.
         --setting SETTLE_STEPS,PROBABILITY,REFRESH (repeatable) picks the cache settings (default 2,0.99,0).
 
 Prints a table, then one JSON line.
@@ -79,53 +80,33 @@ def positions(args) -> dict:
 
 
 class _Recorder:
-    """Active positions per row by step index, summed over canvases (for the plot)."""
+    """Active positions per running row by step index, over every canvas (for the plot)."""
 
     def __init__(self):
-        self.by_step: dict[int, list[float]] = {}
+        self.by_step: dict[int, list[int]] = {}
 
     def install(self):
-        from dgemma.generation import diffusion
         from dgemma.generation.step_cache import StepCache
 
-        recorder = self
+        recorder, take = self, StepCache.take
 
-        class RecordingStepCache(StepCache):
-            def logits_for(self, model, canvas, cache, done, **kw):
-                before = list(self.decoder_positions)
-                logits = super().logits_for(model, canvas, cache, done, **kw)
-                running = [b for b, d in enumerate(done.tolist()) if not d]
-                counts = [self.decoder_positions[b] - before[b] for b in running]
-                recorder.by_step.setdefault(self.steps - 1, []).extend(counts)
-                return logits
+        def recording_take(cache, computed, pack, canvas, active):
+            recorder.by_step.setdefault(cache.steps, []).extend(c for c in pack.counts if c)
+            return take(cache, computed, pack, canvas, active)
 
-        diffusion.StepCache = RecordingStepCache
-
-
-def _solve(model, puzzles, sampling, batch: int) -> tuple[list, int, float]:
-    """-> (predicted grids, decoder positions, seconds) of the plain loop over the puzzles."""
-    from dgemma.generation import generate
-    from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_eval import answer_grid
-
-    grids, positions_run, start = [], 0, time.perf_counter()
-    for a in range(0, len(puzzles), batch):
-        chunk = puzzles[a : a + batch]
-        result = generate(model, [sudoku.encode_prompt(p.puzzle) for p in chunk], sampling, seed=sampling.seed + a)
-        grids.extend(answer_grid(t) for t in result.tokens)
-        positions_run += sum(result.decoder_positions)
-    return grids, positions_run, time.perf_counter() - start
+        StepCache.take = recording_take
 
 
 def sudoku_bench(args) -> dict:
+    """Through the engine, as `dgemma sudoku eval` (single shot, eager): one evaluation per system."""
+    from dgemma.commands.sudoku import SHIPPED
     from dgemma.model import load_model
     from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_eval import sudoku_sampling
+    from dgemma.tasks.sudoku_eval import evaluate, sudoku_sampling
 
-    folder = args.model or str(__import__("dgemma.commands.sudoku", fromlist=["SHIPPED"]).SHIPPED)
-    model = load_model(folder, dtype=torch.float32)
-    puzzles, errors = sudoku.read_puzzle_file(args.file)
-    puzzles = puzzles[: args.limit] if args.limit else puzzles
+    model = load_model(args.model or SHIPPED, dtype=torch.float32)
+    examples, _ = sudoku.read_puzzle_file(args.file)
+    puzzles = [e.puzzle for e in examples[: args.limit] if e is not None] if args.limit else [e.puzzle for e in examples]
     base = sudoku_sampling(model, args.seed)
     recorder = _Recorder()
     recorder.install()
@@ -137,21 +118,23 @@ def sudoku_bench(args) -> dict:
     rows = []
     for name, sampling in systems:
         recorder.by_step = {}
-        grids, run, seconds = _solve(model, puzzles, sampling, args.batch)
-        solved = sum(not sudoku.solution_errors(p.puzzle, g) for p, g in zip(puzzles, grids))
-        lo, hi = sudoku.wilson_interval(solved, len(puzzles))
+        evaluation = evaluate(model, puzzles, batch=args.batch, sampling=sampling, seed=args.seed)
+        d, sc = evaluation.decoding, evaluation.scores
         active = {s: sum(c) / len(c) for s, c in sorted(recorder.by_step.items())}
-        rows.append({"system": name, "solved": solved, "total": len(puzzles), "ci95": [lo, hi],
-                     "decoder_positions_per_puzzle": run / len(puzzles), "seconds_per_puzzle": seconds / len(puzzles),
+        rows.append({"system": name, "solved": sc["solved"], "total": sc["total"], "ci95": list(sc["ci95"]),
+                     "decoder_positions_per_puzzle": d["decoder_positions_per_puzzle"],
+                     "seconds_per_puzzle": d["seconds_per_puzzle"], "mean_denoising_steps": d["mean_denoising_steps"],
                      "active_by_step": active})
     off = rows[0]
-    print(f"{len(puzzles)} puzzles from {args.file}, batch {args.batch}, {torch.get_num_threads()} threads, plain loop")
-    print(f"{'system':<24} {'solved':>9} {'95% Wilson':>16} {'positions/puzzle':>17} {'s/puzzle':>9} {'time / off':>10}")
+    print(f"{len(puzzles)} puzzles from {args.file}, engine batch {args.batch}, {torch.get_num_threads()} threads")
+    print(f"{'system':<22} {'solved':>9} {'95% Wilson':>14} {'steps':>6} {'positions':>9} {'/ off':>6} "
+          f"{'s/puzzle':>9} {'/ off':>6}")
     for r in rows:
         r["time_ratio"] = r["seconds_per_puzzle"] / off["seconds_per_puzzle"]
         r["positions_ratio"] = r["decoder_positions_per_puzzle"] / off["decoder_positions_per_puzzle"]
-        print(f"{r['system']:<24} {r['solved']:>4}/{r['total']:<4} [{100 * r['ci95'][0]:5.1f}, {100 * r['ci95'][1]:5.1f}]"
-              f" {r['decoder_positions_per_puzzle']:>17.0f} {r['seconds_per_puzzle']:>9.3f} {r['time_ratio']:>10.2f}")
+        print(f"{r['system']:<22} {r['solved']:>4}/{r['total']:<4} [{100 * r['ci95'][0]:5.1f},{100 * r['ci95'][1]:5.1f}]"
+              f" {r['mean_denoising_steps']:>6.1f} {r['decoder_positions_per_puzzle']:>9.0f} {r['positions_ratio']:>6.2f}"
+              f" {r['seconds_per_puzzle']:>9.3f} {r['time_ratio']:>6.2f}")
     if args.plot:
         _plot(rows[1:], args.plot, model.config.canvas_length)
     return {"benchmark": "step_cache sudoku", "file": args.file, "puzzles": len(puzzles), "batch": args.batch,

@@ -311,7 +311,8 @@ def _print_table(result: dict):
           + (f", {result['mean_rounds']:.2f} rounds on average" if "mean_rounds" in result else ""))
     if "mean_denoising_steps" in result:
         print(f"{result['mean_denoising_steps']:.1f} denoising steps per puzzle, {result['tokens_per_forward']:.1f} "
-              f"cells per forward, {100 * result['accepted_later_changed']:.1f}% of accepted cells later changed")
+              f"cells per forward, {100 * result['accepted_later_changed']:.1f}% of accepted cells later changed, "
+              f"{result['decoder_positions_per_puzzle']:.0f} decoder positions per puzzle")
 
 
 def _run_with_progress(engine, requests):
