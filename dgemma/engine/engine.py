@@ -405,11 +405,12 @@ class Engine:
                 computed = self.runner.denoise_positions([st.row for st in states], canvases,
                                                          [st.soft for st in states], active, counts)
                 self.forwards += 1
+            positions = active.nonzero(as_tuple=True)[1]  # (N,): the packed order, row after row
             start = 0
             for i, st, row_active, count in zip(cached, states, actives, counts):
                 part = computed[start : start + count] if count else None
-                out[i] = st.denoising.step_cache.take(part, PackedPositions.from_mask(row_active, [count]),
-                                                      st.denoising.canvas, row_active)
+                pack = PackedPositions.of_row(positions[start : start + count])
+                out[i] = st.denoising.step_cache.take(part, pack, st.denoising.canvas, row_active)
                 start += count
                 st.decoder_positions += count
         self.decoder_positions += len(whole) * self.canvas_length + (sum(counts) if cached else 0)

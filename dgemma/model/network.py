@@ -126,18 +126,18 @@ class Attention(nn.Module):
 
         With `pack` (the step cache's packed positions): q (1, Hq, N, D) holds the N packed queries of n rows,
         k/v (n, Hkv, S, D) and mask (n, 1, L, S) (a canvas mask: its query rows are all alike) are per row;
-        each bucket of rows with the same active count attends together -> (1, N, H)."""
+        each bucket of rows with similar active counts attends together (`PackedPositions`) -> (1, N, H)."""
         if pack is None:
             out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
             B, _, T, _ = q.shape
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         out = q.new_empty(self.num_heads, q.shape[2], v.shape[-1])  # (Hq, N, D)
         every_row = k.shape[0]
-        for count, members, tokens in pack.buckets:
+        for size, members, tokens in pack.buckets:
             whole = members.shape[0] == every_row  # every row is in this bucket: members are 0 .. n-1
             qg = q[0][:, tokens].transpose(0, 1)  # (g, Hq, A, D)
             kg, vg = (k, v) if whole else (k[members], v[members])
-            mg = None if mask is None else (mask if whole else mask[members])[:, :, :count]
+            mg = None if mask is None else (mask if whole else mask[members])[:, :, :size]
             out[:, tokens] = attention(qg, kg, vg, mg).transpose(0, 1)
         return self.o_proj(out.transpose(0, 1).reshape(1, q.shape[2], self.num_heads * self.head_dim))
 
