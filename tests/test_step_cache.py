@@ -255,3 +255,24 @@ def test_sudoku_engine_equals_the_plain_loop_with_the_cache_on(sudoku_model):
     assert positions_off == [81 * s for r in off for s in r.steps_per_canvas]
     assert sum(r.stats()["decoder_positions"] for r in requests) < 0.5 * sum(positions_off)
     assert engine.decoder_positions == sum(positions_off) + sum(r.stats()["decoder_positions"] for r in requests)
+
+
+def test_an_int8_model_with_the_prefix_cache_and_the_step_cache_gives_the_plain_loops_tokens():
+    """int8 weights, the prefix cache (the second request reads its prompt's cached blocks) and rows of different
+    active counts in one step: the engine's tokens are the plain loop's, with the step cache on."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+    from dgemma.model.quant import quantize_model
+
+    model = quantize_model(_model(), "int8")
+    on = dgemma.SamplingConfig(max_new_tokens=32, eos_token_ids=(1,), max_denoising_steps=6, step_cache=True,
+                               settle_steps=1, settle_probability=0.3)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [3, 4, 9]]
+    plain = [generate(model, [p], on, seed=20 + i) for i, p in enumerate(prompts)]
+    engine = Engine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    engine.generate(prompts[:1], on, seeds=[99])  # fills the prefix cache
+    requests = engine.generate(prompts, on, seeds=[20, 21])
+    assert requests[0].cached_tokens > 0
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+        assert r.stats()["decoder_positions"] == p.decoder_positions[0] < 16 * sum(p.steps_per_canvas[0])
