@@ -88,12 +88,12 @@ def test_with_the_step_cache_constrained_positions_settle_only_on_the_tokens_the
     checks = {"settled": 0, "guided": 0}
     settle = StepCache.settle
 
-    def checked(self, argmax, probs, accepted, drawn, next_canvas, done):
-        settle(self, argmax, probs, accepted, drawn, next_canvas, done)
+    def checked(self, argmax, probs, drawn, next_canvas, done):
+        settle(self, argmax, probs, drawn, next_canvas, done)
         kept = self.settled & drawn  # settled positions the sampler keeps read the guide's token, computed with it
         assert (next_canvas[kept] == self.computed_with[kept]).all()
         checks["settled"] += int(kept.sum())
-        checks["guided"] += int((accepted & (next_canvas != argmax)).sum())  # the guide overrode the argmax
+        checks["guided"] += int((drawn & (next_canvas != argmax)).sum())  # the guide overrode the argmax
 
     monkeypatch.setattr(StepCache, "settle", checked)
     result = generate(model, [_prompt(tokenizer)] * 2, sampling, seed=3, constraint=json_object_constraint(vocab))

@@ -119,8 +119,7 @@ class CanvasDenoising:
         self.canvas = result.canvas if not any(was_done) else torch.where(self.done[:, None], self.canvas,
                                                                            result.canvas)
         if self.step_cache is not None:
-            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.accepted, result.drawn, self.canvas,
-                                   self.done)
+            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done)
         if not self.sampling.fixed_steps:
             self.done |= pending.stop
             self.done_rows = [d or bool(s) for d, s in zip(self.done_rows, stop_rows)]

@@ -82,11 +82,11 @@ class StepCache:
         self.steps += 1
         return self.logits.clone()
 
-    def settle(self, argmax: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor, drawn: torch.Tensor,
-               next_canvas: torch.Tensor, done: torch.Tensor):
+    def settle(self, argmax: torch.Tensor, probs: torch.Tensor, drawn: torch.Tensor, next_canvas: torch.Tensor,
+               done: torch.Tensor):
         """After the step's sampler: argmax (B, L), probs (B, L, V) or (B * L, V) its tempered probabilities,
-        accepted (B, L) bool, drawn (B, L) bool the positions that took a sample, next_canvas (B, L) what the
-        next step reads, done (B,) rows that stopped."""
+        drawn (B, L) bool the positions that took a sample, next_canvas (B, L) what the next step reads, done (B,)
+        rows that stopped."""
         B, L = argmax.shape
         top = probs.reshape(B, L, -1).amax(dim=-1)
         same = argmax == self.last_argmax
