@@ -386,6 +386,9 @@ def _default_top_level() -> dict[str, Any]:
     }
 
 
+STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "cache_refresh")
+
+
 @dataclass
 class SamplingConfig:
     """The denoising sampler's knobs; defaults are the released `generation_config.json` values,
@@ -405,6 +408,13 @@ class SamplingConfig:
     # which positions a step accepts first: lowest entropy (the reference), widest top-2 margin, or
     # highest top-1 probability; the entropy bound applies to each order's uncertainty (dgemma.sampling)
     accept_order: str = "entropy"
+    # the step cache (dgemma.generation.step_cache): settled positions are not recomputed; a position settles
+    # after `settle_steps` steps with the same argmax at tempered top probability >= `settle_probability`;
+    # every `cache_refresh`-th step recomputes all (0: never). Off by default: it trades quality for compute.
+    step_cache: bool = False
+    settle_steps: int = 2
+    settle_probability: float = 0.99
+    cache_refresh: int = 0
 
     def __post_init__(self):
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -415,6 +425,10 @@ class SamplingConfig:
             (self.stability_threshold >= 1, "stability_threshold must be >= 1"),
             (self.confidence_threshold >= 0, "confidence_threshold must be >= 0"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (isinstance(self.step_cache, bool), "step_cache must be true or false"),
+            (self.settle_steps >= 1, "settle_steps must be >= 1"),
+            (0 <= self.settle_probability <= 1, "settle_probability must be in [0, 1]"),
+            (self.cache_refresh >= 0, "cache_refresh must be >= 0 (0: never)"),
             (self.accept_order in ACCEPT_ORDERS,
              f"accept_order must be one of {', '.join(ACCEPT_ORDERS)}, not {self.accept_order!r}"),
         ]
@@ -439,13 +453,20 @@ class SamplingConfig:
             kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
         if gen.get("pad_token_id") is not None:
             kw["pad_token_id"] = gen["pad_token_id"]
+        section = gen.get("dgemma") or {}
+        if isinstance(section, dict):
+            kw.update({k: section[k] for k in STEP_CACHE_KEYS if section.get(k) is not None})
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """`generation_config.json`'s fields; `accept_order` only when it is not the reference's (transformers
-        keeps a key it does not know as an attribute and ignores it, so such a file still loads there)."""
+        """`generation_config.json`'s fields; `accept_order` only when it is not the reference's, and the step
+        cache's settings in a "dgemma" section only when one differs from its default (transformers keeps a
+        key it does not know as an attribute and ignores it, so such a file still loads there)."""
         order = {} if self.accept_order == "entropy" else {"accept_order": self.accept_order}
+        defaults = SamplingConfig()
+        if any(getattr(self, k) != getattr(defaults, k) for k in STEP_CACHE_KEYS):
+            order["dgemma"] = {k: getattr(self, k) for k in STEP_CACHE_KEYS}
         return {
             "max_denoising_steps": self.max_denoising_steps,
             # transformers rebuilds the sampler dataclass from its class name

@@ -317,6 +317,8 @@ BAD_BODIES = [
     ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
     ({"seed": 1.5}, "seed: Input should be a valid integer"),
     ({"fixed_steps": "yes"}, "fixed_steps: Input should be a valid boolean"),
+    ({"step_cache": "yes"}, "step_cache: Input should be a valid boolean"),
+    ({"step_cache": 1}, "step_cache: Input should be a valid boolean"),
     ({"stream": True, "stream_options": {"include_drafts": "please"}}, "stream_options.include_drafts"),
     ({"stream_options": {"include_drafts": True}}, "only allowed with stream: true"),
     ({"stop": [1, 2]}, "stop: expected a non-empty string"),

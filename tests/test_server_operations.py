@@ -69,6 +69,20 @@ def test_metrics_move_with_traffic(server):
     assert cache["budget_bytes"] > 0 and cache["inserted"] > 0
 
 
+def test_step_cache_requests_count_fewer_decoder_positions_on_metrics(server):
+    before = scrape(server)
+    client = server.client()
+    body = dict(model=MODEL, prompt="hello world", max_tokens=32, seed=3)
+    off = client.completions.create(**body, extra_body={"steps": 4, "fixed_steps": True})
+    on = client.completions.create(**body, extra_body={"steps": 4, "fixed_steps": True, "step_cache": True})
+    after = scrape(server)
+    positions = [r.model_extra["dgemma"]["decoder_positions"] for r in (off, on)]
+    assert positions[0] == 4 * off.model_extra["dgemma"]["canvases"] * 16  # the tiny model's canvas: 16
+    assert 0 < positions[1] <= 4 * on.model_extra["dgemma"]["canvases"] * 16
+    key = ("dgemma_decoder_positions_total", ())
+    assert after[key] - before.get(key, 0) == sum(positions)
+
+
 def test_request_ids_and_access_log(server):
     client = server.client()
     raw = client.chat.completions.with_raw_response.create(

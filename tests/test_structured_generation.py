@@ -74,6 +74,35 @@ def test_plain_loop_matches_the_engine_and_mixes_with_free_rows(gemma_model):
         generate(model, [prompt, prompt], sampling, seed=5, constraint=[automaton])
 
 
+def test_with_the_step_cache_constrained_positions_settle_only_on_the_tokens_the_guide_placed(gemma_model,
+                                                                                             monkeypatch):
+    """Settling as eagerly as the rule allows: a settled position the sampler keeps was computed with the token
+    it reads, which at a constrained row's accepted positions is the guide's (a valid answer's) token; answers
+    still validate."""
+    from dgemma.generation import generate
+    from dgemma.generation.step_cache import StepCache
+
+    model, tokenizer, vocab = gemma_model
+    sampling = model.sampling_config.replace(max_new_tokens=64, max_denoising_steps=6, step_cache=True,
+                                             settle_steps=1, settle_probability=0.0)
+    checks = {"settled": 0, "guided": 0}
+    settle = StepCache.settle
+
+    def checked(self, argmax, probs, drawn, next_canvas, done):
+        settle(self, argmax, probs, drawn, next_canvas, done)
+        kept = self.settled & drawn  # settled positions the sampler keeps read the guide's token, computed with it
+        assert (next_canvas[kept] == self.computed_with[kept]).all()
+        checks["settled"] += int(kept.sum())
+        checks["guided"] += int((drawn & (next_canvas != argmax)).sum())  # the guide overrode the argmax
+
+    monkeypatch.setattr(StepCache, "settle", checked)
+    result = generate(model, [_prompt(tokenizer)] * 2, sampling, seed=3, constraint=json_object_constraint(vocab))
+    assert result.finish_reasons == ["stop", "stop"]
+    assert all(isinstance(json.loads(tokenizer.decode(t)), dict) for t in result.tokens)
+    assert checks["settled"] > 0 and checks["guided"] > 0
+    assert sum(result.decoder_positions) < 2 * model.config.canvas_length * sum(map(sum, result.steps_per_canvas))
+
+
 def test_budget_too_small_for_any_answer_is_cut_with_length(gemma_model):
     from dgemma.engine import Engine
 

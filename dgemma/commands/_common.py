@@ -170,12 +170,55 @@ def add_denoising_arguments(g):
     g.add_argument("--accept-order", choices=ACCEPT_ORDERS, default=None,
                    help="which positions a step accepts first: lowest entropy (the reference), widest top-2 "
                         "probability margin, or highest top-1 probability; the bound applies to each")
+    add_step_cache_arguments(g)
+
+
+def probability(text: str) -> float:
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_step_cache_arguments(g):
+    """The step cache's flags (dgemma.generation.step_cache), each defaulting to generation_config.json."""
+    g.add_argument("--step-cache", choices=["on", "off"], default=None,
+                   help="run only the canvas positions that have not settled through the decoder (default: the "
+                        "model's setting, off unless its generation_config.json says otherwise)")
+    g.add_argument("--settle-steps", type=positive_int, default=None,
+                   help="steps a position's argmax must stay the same before it settles (default 2)")
+    g.add_argument("--settle-probability", type=probability, default=None,
+                   help="the tempered top probability a position needs to settle (default 0.99)")
+    g.add_argument("--cache-refresh", type=non_negative_int, default=None, metavar="R",
+                   help="recompute every position every R-th step (default 0: never)")
+
+
+def step_cache_overrides(args) -> dict:
+    """`add_step_cache_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
+    on = {"on": True, "off": False}.get(args.step_cache)
+    return dict(step_cache=on, settle_steps=args.settle_steps, settle_probability=args.settle_probability,
+                cache_refresh=args.cache_refresh)
+
+
+def refuse_step_cache_with_ar(args):
+    if getattr(args, "ar", False) and args.step_cache == "on":
+        raise UsageError("--step-cache works with the diffusion sampler, not with --ar")
 
 
 def denoising_overrides(args) -> dict:
     """`add_denoising_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
     return dict(max_denoising_steps=args.steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
-                accept_order=args.accept_order)
+                accept_order=args.accept_order, **step_cache_overrides(args))
 
 
 def add_sampling_arguments(p):

@@ -15,9 +15,11 @@ from dgemma.commands._common import (
     add_compile_arguments,
     add_int8_compute_argument,
     add_revision_argument,
+    add_step_cache_arguments,
     apply_int8_compute,
     compile_mode,
     plot_file,
+    step_cache_overrides,
     wants_compile,
 )
 
@@ -54,6 +56,8 @@ def add_arguments(p):
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
+    add_step_cache_arguments(p.add_argument_group(
+        "the step cache: --step-cache on adds the engine with it (system ...-step-cache) beside the engine"))
     p.add_argument("--glibc-malloc-defaults", dest="keep_freed_memory", action="store_false",
                    help="leave glibc's allocator as it is (by default the process keeps freed memory for "
                         "reuse, as the generating commands do; this changes the eager systems' speed, "
@@ -110,6 +114,8 @@ def run(args):
     fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps,
                                           fixed_steps=True, eos_token_ids=never, seed=args.seed)
     adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
+    cache_settings = step_cache_overrides(args)
+    cached = fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
     gen = torch.Generator().manual_seed(args.seed)
 
     hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)
@@ -128,6 +134,8 @@ def run(args):
     def compared(engine_system: str, batch: int, prompts) -> list:
         """Our engine, transformers and AR decoding, timed turn about (see `timing.interleave`)."""
         systems = [timing.EngineTimed(model, prompts, fixed, engine_system)]
+        if cached is not None:
+            systems.append(timing.EngineTimed(model, prompts, cached, engine_system + "-step-cache"))
         if hf is not None:
             systems.append(timing.TransformersTimed(hf, prompts, fixed))
         if not args.no_ar:
@@ -335,6 +343,12 @@ def _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran:
     groups = {r.group for r in rows}
     engines = [(g, s, "" if g == ("compiled" if "compiled" in groups else "eager") else "_" + g)
                for g, s in (("compiled", "engine-compiled"), ("eager", "engine-fixed")) if g in groups]
+    for group, engine, suffix in engines:  # the engine with the step cache against the same engine without
+        ratios = {str(b): round(by[(g, s, b)].tokens_per_s / by[(group, engine, b)].tokens_per_s, 3)
+                  for (g, s, b) in by if s == engine + "-step-cache" and g == group}
+        if ratios:
+            out["step_cache_speedup" + suffix] = ratios.get("1", next(iter(ratios.values())))
+            out["step_cache_speedup" + suffix + "_by_batch"] = ratios
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
         for group, engine, suffix in engines:
             ratios = {str(b): round(by[(group, engine, b)].tokens_per_s / by[(g, s, b)].tokens_per_s, 3)

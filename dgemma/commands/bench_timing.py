@@ -54,6 +54,7 @@ class Measurement:
     gpu_peak_bytes: int | None = None
     rss_before_bytes: int | None = None  # engine runs: the least resident memory any run started with
     group: str = "eager"  # the systems timed turn about with this one ("eager" or "compiled" engine)
+    decoder_positions: int | None = None  # engine runs: canvas positions run through the decoder, all rows
 
 
 def _is_cuda(device) -> bool:
@@ -169,7 +170,8 @@ class EngineTimed(Timed):
         requests = self.engine.generate(self.prompts, self.sampling, seeds=[r * self.batch + i for i in range(self.batch)])
         return {"steps": self.engine.forwards,
                 "ttfc": statistics.mean(q.state.t_first_canvas - q.state.t_submit for q in requests),
-                "tpf": statistics.mean(q.stats()["tokens_per_forward"] for q in requests)}
+                "tpf": statistics.mean(q.stats()["tokens_per_forward"] for q in requests),
+                "positions": sum(q.stats()["decoder_positions"] for q in requests)}
 
     def measurement(self, group: str = "eager") -> Measurement:
         best = self.fastest()
@@ -178,6 +180,7 @@ class EngineTimed(Timed):
             ms_per_step=1000 * best["seconds"] / max(best["steps"], 1), ttfc_s=best["ttfc"],
             tokens_per_forward=best["tpf"], peak_rss_bytes=max(run["peak_rss"] for run in self.runs),
             gpu_peak_bytes=best["gpu_peak"], rss_before_bytes=min(run["rss_before"] for run in self.runs), group=group,
+            decoder_positions=best["positions"],
         )
 
 

@@ -15,12 +15,14 @@ from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
+    add_step_cache_arguments,
     compile_mode,
     load_from_args,
     add_prefix_cache_arguments,
     non_negative_float,
     positive_int,
     prefix_cache_bytes,
+    step_cache_overrides,
     wants_compile,
 )
 
@@ -63,6 +65,7 @@ def add_arguments(p):
                         "with an error event (new requests get 503 meanwhile; default %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="the server's log level ('info' logs every request with its X-Request-Id)")
+    add_step_cache_arguments(p.add_argument_group("the step cache (each request may set step_cache)"))
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="serve with N whole engines (each its own process, model and batch) behind one endpoint")
@@ -104,7 +107,8 @@ def settings(args):
         prebuild_json_object=args.prebuild_json_object, lora=tuple(args.lora), shutdown_grace=args.shutdown_grace,
         log_level=args.log_level, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
         tp=getattr(args, "tp", None), replicas=args.replicas, ray_address=args.ray_address,
-        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device)
+        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device,
+        step_cache=step_cache_overrides(args))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dgemma.commands._common import (
     add_revision_argument,
     apply_int8_compute,
     denoising_overrides,
+    refuse_step_cache_with_ar,
     maybe_compile,
     plot_file,
 )
@@ -140,6 +141,7 @@ def _load(args):
 
     if args.rounds < 1 or args.candidates < 1:
         raise UsageError("--rounds and --candidates must be >= 1")
+    refuse_step_cache_with_ar(args)
     folder = Path(args.model) if args.model else (SHIPPED_AR if args.ar else SHIPPED)
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
@@ -309,7 +311,8 @@ def _print_table(result: dict):
           + (f", {result['mean_rounds']:.2f} rounds on average" if "mean_rounds" in result else ""))
     if "mean_denoising_steps" in result:
         print(f"{result['mean_denoising_steps']:.1f} denoising steps per puzzle, {result['tokens_per_forward']:.1f} "
-              f"cells per forward, {100 * result['accepted_later_changed']:.1f}% of accepted cells later changed")
+              f"cells per forward, {100 * result['accepted_later_changed']:.1f}% of accepted cells later changed, "
+              f"{result['decoder_positions_per_puzzle']:.0f} decoder positions per puzzle")
 
 
 def _run_with_progress(engine, requests):

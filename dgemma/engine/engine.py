@@ -49,6 +49,7 @@ from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.model.compilation import compiled_function
+from dgemma.model.packing import PackedPositions
 from dgemma.generation.denoising import CanvasDenoising
 from dgemma.sampling import seed_or_random
 from dgemma.sampling.sampler import scan_logits
@@ -78,6 +79,7 @@ class Engine:
         self.pace = PrefillPace(self.canvas_length)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.forwards = 0  # decoder forwards run, for benchmarks
+        self.decoder_positions = 0  # canvas positions run through the decoder (/metrics, benchmarks)
         self.scoring: list[ScoringBatch] = []  # batches of scoring requests in progress, oldest first
         self.scored_tokens = 0  # prompt tokens the encoder ran for scoring (shared prefixes once), for benchmarks
         self.score_chunk_tokens = score_chunk_tokens
@@ -139,6 +141,8 @@ class Engine:
             raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
         check_search(request.max_rounds, 1)
         self._check_images(request)
+        if request.sampling.step_cache and (self.model.adapter_rows is not None or hasattr(self.model, "tp")):
+            raise ValueError("the step cache works with neither LoRA adapters nor a split model yet")
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(
@@ -294,7 +298,7 @@ class Engine:
                                   eos_token_ids=(self.vocab_size,), pad_token_id=self.model.config.pad_token_id)
         for prompts in ([[0]], [[0, 0]], [[0]] * min(2, self.runner.max_batch)):
             self.generate(prompts, sampling, seeds=list(range(len(prompts))))
-        self.forwards = 0
+        self.forwards = self.decoder_positions = 0
         if self.prefix_cache is not None:  # its throwaway prompts are no one's prefix
             self.prefix_cache.clear(counters=True)
 
@@ -348,11 +352,8 @@ class Engine:
         Everything else stays queued on the device; the bookkeeping (steps, budgets, rows) is Python.
         """
         batch = self.generating
-        logits = self.runner.denoise([r.state.row for r in batch], torch.cat([r.state.denoising.canvas for r in batch]),
-                                     [r.state.soft for r in batch])  # (n, L, V): the one big buffer
-        self.forwards += 1
-        # a view of the buffer each: the sampler turns it into probabilities in place
-        pending = [r.state.denoising.scan(logits[i : i + 1], self.scan) for i, r in enumerate(batch)]
+        logits = self._step_logits(batch)  # per row (1, L, V): the sampler turns each into probabilities in place
+        pending = [r.state.denoising.scan(logits[i], self.scan) for i, r in enumerate(batch)]
         table = torch.cat([torch.cat([p.stop.long()[:, None], p.drawn_count[:, None], r.state.denoising.argmax], 1)
                            for r, p in zip(batch, pending)])
         read = host_read(table, "step")  # per row: [stop, drawn count, argmax canvas (L)]
@@ -368,7 +369,7 @@ class Engine:
             if not denoising.finished:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
-                st.soft = self.runner.soft_embedding(logits[i])
+                st.soft = self.runner.soft_embedding(logits[i][0])
             if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
                 st.emit(Event("draft", r.request_id, st.canvas_index, step=denoising.step_index - 1,
                               tokens=list(st.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
@@ -378,6 +379,42 @@ class Engine:
         del logits, pending
         if finished_canvases:
             self._commit(finished_canvases)
+
+    def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
+        """Each generating row's logits (1, L, V) for this step: rows without the step cache from one decoder
+        forward over their whole canvases (views of its one big buffer); rows with it from one forward over
+        their active positions, packed (one more host read: how many each row has; dgemma.generation.step_cache)."""
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        whole = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is None]
+        cached = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is not None]
+        if whole:
+            logits = self.runner.denoise([batch[i].state.row for i in whole],
+                                         torch.cat([batch[i].state.denoising.canvas for i in whole]),
+                                         [batch[i].state.soft for i in whole])  # (n, L, V)
+            self.forwards += 1
+            for j, i in enumerate(whole):
+                out[i] = logits[j : j + 1]
+                batch[i].state.decoder_positions += self.canvas_length
+        if cached:
+            states = [batch[i].state for i in cached]
+            actives = [st.denoising.step_cache.active(st.denoising.done) for st in states]
+            active, canvases = torch.cat(actives), torch.cat([st.denoising.canvas for st in states])
+            counts = host_read(active.sum(dim=1), "step cache: active positions")
+            computed = None
+            if sum(counts):
+                computed = self.runner.denoise_positions([st.row for st in states], canvases,
+                                                         [st.soft for st in states], active, counts)
+                self.forwards += 1
+            positions = active.nonzero(as_tuple=True)[1]  # (N,): the packed order, row after row
+            start = 0
+            for i, st, row_active, count in zip(cached, states, actives, counts):
+                part = computed[start : start + count] if count else None
+                pack = PackedPositions.of_row(positions[start : start + count])
+                out[i] = st.denoising.step_cache.take(part, pack, st.denoising.canvas, row_active)
+                start += count
+                st.decoder_positions += count
+        self.decoder_positions += len(whole) * self.canvas_length + (sum(counts) if cached else 0)
+        return out
 
     def _commit(self, requests: list[Request]):
         """Commit finished canvases, from their argmax tokens already on the host (no read here)."""

@@ -87,6 +87,7 @@ class GenerationState(RequestState):
     tokens: list[int] = field(default_factory=list)
     steps_per_canvas: list[int] = field(default_factory=list)
     forward_passes: int = 0
+    decoder_positions: int = 0  # canvas positions run through the decoder (fewer with the step cache)
     committed_non_pad: int = 0
     t_first_canvas: float | None = None
 
@@ -166,6 +167,7 @@ class Request:
             "steps_per_canvas": list(st.steps_per_canvas),
             "denoising_steps": sum(st.steps_per_canvas),
             "tokens_per_forward": st.committed_non_pad / st.forward_passes if st.forward_passes else 0.0,
+            "decoder_positions": st.decoder_positions,
             "time_to_first_canvas_s": (st.t_first_canvas - st.t_submit) if st.t_first_canvas else None,
             "cached_prompt_tokens": st.cached_tokens,
             "elapsed_s": elapsed,

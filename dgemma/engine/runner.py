@@ -23,6 +23,7 @@ import torch
 from dgemma.device_sync import to_device
 from dgemma.engine.prefix_cache import PrefixCache, RowTrail, image_digest, image_spans
 from dgemma.model.network import PreviousStep, device_vocab_chunk_rows
+from dgemma.model.packing import PackedPositions
 
 
 def model_key(model) -> str:
@@ -213,6 +214,24 @@ class Runner:
         with self._adapters(rows):
             previous = None if soft is None else PreviousStep(embedding=soft)
             return self.model.denoise(canvases, self.cache, self_conditioning=previous, rows=rows)
+
+    @torch.no_grad()
+    def denoise_positions(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None],
+                          active: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The step cache's forward: only the `active` (n, L) positions of the rows' canvases (n, L) run (counts:
+        each row's, on the host; softs as `denoise`) -> their logits (N, V), packed row after row
+        (`PackedPositions.from_mask`). With aligned spans one forward a row, as `denoise`."""
+        if self.span_tokens and len(rows) > 1:
+            return torch.cat([self.denoise_positions([row], canvases[i : i + 1], softs[i : i + 1], active[i : i + 1],
+                                                     counts[i : i + 1]) for i, row in enumerate(rows) if counts[i]])
+        soft = None
+        if any(s is not None for s in softs):
+            zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
+            soft = torch.stack([zeros if s is None else s for s in softs])
+        with self._adapters(rows):
+            previous = None if soft is None else PreviousStep(embedding=soft)
+            return self.model.decode_active(canvases, self.cache, PackedPositions.from_mask(active, counts),
+                                            self_conditioning=previous, rows=rows)
 
     @torch.no_grad()
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:

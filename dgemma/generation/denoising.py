@@ -9,7 +9,9 @@ engine (engine/engine.py, which runs one decoder forward over many such groups).
     stop_rows, drawn = host_read(pending.stop, pending.drawn_count)      the caller's one read
     denoising.advance(pending, stop_rows, drawn)           samples, re-noise, structured guidance
 
-so a change to the sampler (the acceptance orders, what a stopped row keeps) is made here once. How the
+so a change to the sampler (the acceptance orders, what a stopped row keeps) is made here once. With the
+step cache on (SamplingConfig.step_cache) `step_cache` says which positions the forward runs and gives the
+step's logits from them (dgemma.generation.step_cache); `advance` lets positions settle. How the
 step's probabilities become the next step's self-conditioning is the caller's (the plain loop passes
 them to the model; the engine embeds them per row); the logits buffer holds softmax(logits / T) after
 `scan`.
@@ -23,6 +25,7 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read
+from dgemma.generation.step_cache import StepCache
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, temperature_schedule
 from dgemma.sampling.sampler import ScannedStep, draw_samples, scan_logits, scan_step
 
@@ -71,6 +74,16 @@ class CanvasDenoising:
         self.step_index = 0  # steps run on this canvas
         self.history = new_argmax_history(sampling.stability_threshold, *shape, device)
         self.chosen: dict[int, torch.Tensor] = {}  # constrained rows: the (L,) canvas each commits
+        self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device)
+                           if sampling.step_cache else None)
+
+    @property
+    def decoder_positions(self) -> list[int]:
+        """Per row: the canvas positions it ran through the decoder on this canvas (the whole canvas at every
+        step without the step cache)."""
+        if self.step_cache is not None:
+            return list(self.step_cache.decoder_positions)
+        return [self.canvas.shape[1] * self.step_index] * self.canvas.shape[0]
 
     @property
     def finished(self) -> bool:
@@ -105,6 +118,8 @@ class CanvasDenoising:
                                                       self.budget, self.generator)
         self.canvas = result.canvas if not any(was_done) else torch.where(self.done[:, None], self.canvas,
                                                                            result.canvas)
+        if self.step_cache is not None:
+            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done)
         if not self.sampling.fixed_steps:
             self.done |= pending.stop
             self.done_rows = [d or bool(s) for d, s in zip(self.done_rows, stop_rows)]

@@ -79,6 +79,8 @@ class GenerationResult:
     elapsed_s: float
     tokens_per_second: float  # generated tokens (up to and including EOS, all rows) / elapsed_s
     seed: int  # the seed the sampler's generator used
+    # per row: canvas positions run through the decoder, summed over its steps (fewer with the step cache)
+    decoder_positions: list[int] | None = None
     # with a verifier (dgemma.generation.verify), per row: {"accepted", "rounds", "candidate",
     # "forwards" (all candidates'), "winner_forwards", "rejected"}
     search: list[dict] | None = None
@@ -147,6 +149,7 @@ def generate(
     rows = _Rows.empty(batch_size)  # the same on the host, and each row's tokens and steps
     committed: list[torch.Tensor] = []  # one (B, L) canvas each, pad after EOS
     forward_passes = torch.zeros(batch_size, dtype=torch.long, device=device)
+    decoder_positions = [0] * batch_size
     time_to_first_canvas = 0.0
     for canvas_index in range(max_canvases):
         budget = columns_left(max_new_tokens, canvas_index, canvas_length)  # the tokens a row may still write
@@ -155,6 +158,7 @@ def generate(
         argmax, steps = denoise_canvas(
             model, cache, sampling, generator, frozen=finished, frozen_rows=rows.finished, fixed=fixed,
             fixed_tokens=fixed_tokens, on_draft=on_draft, answers=answers, budget=budget,
+            decoder_positions=decoder_positions,
         )
 
         # Commit: everything after a row's first EOS becomes pad; rows finished earlier get only pad.
@@ -176,7 +180,9 @@ def generate(
         if last or all(rows.finished):
             break
         model.encode(canvas_tokens, cache, return_logits=False)  # extend the cache by the committed canvas
-    return rows.result(committed, forward_passes, sampling, seed, start_time, time_to_first_canvas)
+    result = rows.result(committed, forward_passes, sampling, seed, start_time, time_to_first_canvas)
+    result.decoder_positions = decoder_positions
+    return result
 
 
 def _encode_prompts(model, prompts: list[list[int]], pad_id: int, output_positions: int, images, device):
@@ -259,13 +265,15 @@ def denoise_canvas(
     on_draft: OnDraft | None = None,
     answers: list | None = None,
     budget: int = 0,
+    decoder_positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise one canvas at positions cache.length .. cache.length+L-1.
 
     frozen (B,) bool marks rows with nothing to generate (finished earlier): computed, never changed;
     frozen_rows: the same on the host (read from `frozen` when not given).
     answers[b] (a dgemma.structured ConstrainedAnswer, or None) constrains row b; budget = the tokens
-    each row may still write. Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
+    each row may still write. decoder_positions[b] is increased by the canvas positions row b ran through
+    the decoder (the whole canvas each step, or the step cache's active ones). Returns (canvas to commit (B, L) long: the argmax canvas, or a constrained
     row's chosen canvas; denoising steps each row ran (B,) long).
 
     The host reads once per step: the rows' stop flags and how many positions take a sample.
@@ -275,7 +283,11 @@ def denoise_canvas(
                                 fixed=fixed, fixed_tokens=fixed_tokens, answers=answers, budget=budget)
     self_conditioning = None  # no signal at the first step
     while not denoising.finished:
-        logits = model.denoise(denoising.canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
+        if denoising.step_cache is None:
+            logits = model.denoise(denoising.canvas, cache, self_conditioning=self_conditioning)  # (B, L, V) fp32
+        else:  # only the active positions run; stopped rows not at all
+            logits = denoising.step_cache.logits_for(model, denoising.canvas, cache, denoising.done,
+                                                     self_conditioning=self_conditioning)
         self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         pending = denoising.scan(logits)
         *stop_rows, drawn = host_read(torch.cat([pending.stop.long(), pending.drawn_count.sum().view(1)]), "step")
@@ -283,6 +295,8 @@ def denoise_canvas(
         self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
             on_draft(denoising.step_index - 1, denoising.argmax, result.entropy, result.accepted)
+    if decoder_positions is not None:
+        decoder_positions[:] = [d + c for d, c in zip(decoder_positions, denoising.decoder_positions)]
     return denoising.committed(), denoising.steps
 
 

@@ -302,6 +302,20 @@ class KVCache:
             buffers.append((self.keys[i][idx, :, :end], None if values is None else values[idx, :, :end]))
         return buffers
 
+    def place_canvas_entries(self, layer: int, rows, pack, k: torch.Tensor, v: torch.Tensor | None):
+        """The step cache's decoder (`DiffusionGemma.decode_active`): write the packed active positions' entries
+        k, v (1, Hkv, N, D; v None on full layers) into their rows' canvas slots (slot = canvas position), where
+        they stay until the position is computed again; -> this layer's (keys, values or None) over
+        [canvas slots | prefix slots in use] of `rows`, each (n, Hkv, L + S, D) (a copy for scattered rows)."""
+        cache_rows = self.row_tensor(rows)[pack.row_of]  # (N,)
+        self.keys[layer][cache_rows, :, pack.index] = k[0].transpose(0, 1).to(self.keys[layer].dtype)
+        values = self.values[layer]
+        if values is not None:
+            values[cache_rows, :, pack.index] = v[0].transpose(0, 1).to(values.dtype)
+        idx = self._rows(rows)[1]
+        end = self.canvas_slots + self.filled(self.config.is_sliding(layer), rows)
+        return self.keys[layer][idx, :, :end], None if values is None else values[idx, :, :end]
+
     def cached_positions(self, sliding: bool, rows=None) -> torch.Tensor:
         return self.slot_pos[sliding][self._rows(rows)[1], : self.filled(sliding, rows)]
 

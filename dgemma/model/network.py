@@ -35,6 +35,7 @@ from dgemma.model.attention import (
 from dgemma.model.compilation import FusedLinears, fused_inside_graphs
 from dgemma.model.experts import Experts
 from dgemma.model.layers import GatedMLP, RMSNorm
+from dgemma.model.packing import PackedPositions
 from dgemma.model.vision import VisionEmbedder, VisionTower
 
 if TYPE_CHECKING:
@@ -120,11 +121,25 @@ class Attention(nn.Module):
         cos, sin = (t.transpose(1, 2) for t in key_rope)  # (B, 1, S, D) for the (B, Hkv, S, D) layout
         return apply_rope(self.k_norm(k), cos, sin), self.v_norm(k)
 
-    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H)."""
-        out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
-        B, _, T, _ = q.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+    def attend(self, q, k, v, mask: torch.Tensor | None, pack: PackedPositions | None = None) -> torch.Tensor:
+        """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H).
+
+        With `pack` (the step cache's packed positions): q (1, Hq, N, D) holds the N packed queries of n rows,
+        k/v (n, Hkv, S, D) and mask (n, 1, L, S) (a canvas mask: its query rows are all alike) are per row;
+        each bucket of rows with similar active counts attends together (`PackedPositions`) -> (1, N, H)."""
+        if pack is None:
+            out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
+            B, _, T, _ = q.shape
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = q.new_empty(self.num_heads, q.shape[2], v.shape[-1])  # (Hq, N, D)
+        every_row = k.shape[0]
+        for size, members, tokens in pack.buckets:
+            whole = members.shape[0] == every_row  # every row is in this bucket: members are 0 .. n-1
+            qg = q[0][:, tokens].transpose(0, 1)  # (g, Hq, A, D)
+            kg, vg = (k, v) if whole else (k[members], v[members])
+            mg = None if mask is None else (mask if whole else mask[members])[:, :, :size]
+            out[:, tokens] = attention(qg, kg, vg, mg).transpose(0, 1)
+        return self.o_proj(out.transpose(0, 1).reshape(1, q.shape[2], self.num_heads * self.head_dim))
 
 
 class Router(nn.Module):
@@ -180,14 +195,17 @@ class Block(nn.Module):
         routed = self.post_feedforward_layernorm_2(routed)
         return x + self.post_feedforward_layernorm(dense + routed)
 
-    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool):
+    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool, pack: PackedPositions | None = None):
         """rope: cos, sin (B, T, 1, D) of the new tokens; key_rope: the same for every key (full layers).
         `place_entries(k, v)` puts this block's own cache entries among the cached ones (the encoder:
         after the prefix; the decoder: the canvas before it) in the order `mask` and `key_rope` expect.
+        `pack`: x (1, N, H) holds packed canvas positions of several rows (`DiffusionGemma.decode_active`).
         Returns the new residual and this block's own entries k, v (v None on full layers)."""
         q, k, v = self.self_attn.project(self.input_layernorm(x), *rope)
         keys, values = self.self_attn.keys_values(*place_entries(k, v), key_rope)
-        x = x + self.post_attention_layernorm(self.self_attn.attend(q, keys, values, mask))
+        attended = self.self_attn.attend(q, keys, values, mask) if pack is None else self.self_attn.attend(
+            q, keys, values, mask, pack=pack)
+        x = x + self.post_attention_layernorm(attended)
         scalar = self.encoder_layer_scalar if encoder else self.layer_scalar
         return self.feed_forward(x) * scalar, k, v
 
@@ -527,6 +545,41 @@ class DiffusionGemma(nn.Module):
             s = block.self_attn.sliding
             x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
+
+    def decode_active(self, canvas_ids: torch.Tensor, cache: KVCache, pack: PackedPositions, *,
+                      self_conditioning: PreviousStep | None = None, rows=None, return_hidden: bool = False):
+        """The step cache's decoder step: only the packed positions `pack` of the canvases canvas_ids (n, L)
+        run through the layers, the experts and the LM head -> their logits (N, V) fp32 (or hidden (N, H)).
+
+        Each active position attends to its row's [canvas slots | cached prefix]: the canvas slots hold every
+        position's keys/values from the last step that computed it, and this step's active positions write
+        theirs there first (`KVCache.place_canvas_entries`), so settled positions are seen as they were when
+        they were last computed. With every position active this is `denoise` (the same numbers, up to the
+        order of float sums). Eager only (a compiled model runs this eagerly); not with LoRA adapters per row.
+        """
+        if self.adapter_rows is not None and self.adapter_rows.ids is not None:
+            raise ValueError("the step cache does not work with LoRA adapters yet: turn one of them off")
+        n, L = canvas_ids.shape
+        if cache.canvas_slots != L:
+            raise ValueError("decode_active needs a generation cache (one with canvas slots)")
+        rope, key_rope, masks = cache.tables_for_positions(
+            ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows, True))
+        packed_rope = {s: tuple(t[pack.row_of, pack.index][None] for t in rope[s]) for s in rope}  # (1, N, 1, D)
+        soft = None  # (1, N, H)
+        if self_conditioning is not None:
+            previous = self_conditioning
+            if previous.probs is None:
+                soft = pack.gather(previous.embedding)[None]
+            else:
+                soft = self.soft_embedding_from_probs(pack.gather(previous.probs)[None])
+            if previous.mask is not None:
+                soft = soft * previous.mask.to(soft.dtype)[pack.row_of][None, :, None]
+        x = self.self_conditioning(self.embed(pack.gather(canvas_ids)[None]), soft)  # (1, N, H)
+        for i, block in enumerate(self.layers):
+            s = block.self_attn.sliding
+            x, _, _ = block(x, packed_rope[s], key_rope[s], masks[s], partial(cache.place_canvas_entries, i, rows, pack),
+                            encoder=False, pack=pack)
+        return x[0] if return_hidden else self.head(x[0])
 
     def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows, at_cache_lengths=False):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of

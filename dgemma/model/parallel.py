@@ -193,8 +193,8 @@ class SplitAttention(Attention):
 
     tp: TensorParallel
 
-    def attend(self, q, k, v, mask):
-        return self.tp.all_reduce(super().attend(q, k, v, mask))  # collective: all-reduce of o_proj
+    def attend(self, q, k, v, mask, pack=None):
+        return self.tp.all_reduce(super().attend(q, k, v, mask, pack=pack))  # collective: all-reduce of o_proj
 
 
 class SplitBlock(Block):

@@ -55,11 +55,14 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
+    if body.step_cache and state.adapters:
+        raise bad_request("step_cache: this server serves LoRA adapters, which the step cache does not work with yet",
+                          param="step_cache")
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
                                       entropy_bound=body.entropy_bound, accept_order=body.accept_order,
                                       t_min=body.t_min, t_max=body.t_max,
-                                      fixed_steps=body.fixed_steps, eos_token_ids=eos)
+                                      fixed_steps=body.fixed_steps, step_cache=body.step_cache, eos_token_ids=eos)
     except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max
         raise bad_request(str(e)) from None
 

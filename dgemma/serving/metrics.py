@@ -50,6 +50,8 @@ class ServerMetrics:
                                         "strings)", registry=r)
         self.finished = Counter("dgemma_engine_requests_finished", "Engine requests finished, by reason "
                                 "(stop, length, cancelled, scored)", ["reason", "model"], registry=r)
+        self.decoder_positions = Counter("dgemma_decoder_positions", "Canvas positions run through the decoder by "
+                                         "finished engine requests (fewer with the step cache)", registry=r)
         self.steps_per_canvas = Histogram("dgemma_denoising_steps_per_canvas", "Denoising steps each committed "
                                           "canvas took", buckets=STEP_BUCKETS, registry=r)
         self.step_seconds = Histogram("dgemma_engine_step_seconds", "Wall time of one engine step (a decoder "
@@ -90,6 +92,7 @@ class ServerMetrics:
             self.generated_tokens.inc(len(request.tokens))
             for steps in request.steps_per_canvas:
                 self.steps_per_canvas.observe(steps)
+            self.decoder_positions.inc(request.state.decoder_positions)
         cached = request.cached_tokens
         if cached:
             self.prefix_hits.inc()

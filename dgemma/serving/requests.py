@@ -22,6 +22,7 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   accept_order    "entropy" | "margin" | "confidence"   which positions a step accepts first
   t_min, t_max    float 0.01..100 the temperature schedule, falling from t_max to t_min
   fixed_steps     bool            exactly `steps` per canvas, no early stop
+  step_cache      bool            settled positions are not recomputed (dgemma.generation.step_cache)
   seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
   stream_options.include_drafts   bool: stream the argmax canvas after every denoising step
   structured_outputs.regex        str: the answer matches this regex (outlines-core's syntax), as vLLM
@@ -148,6 +149,9 @@ class GenerationFields(BaseModel):
                                       "falls linearly from t_max; t_min <= t_max)")
     t_max: Temperature | None = Field(None, description="dgemma: the temperature at the first step")
     fixed_steps: StrictBool | None = Field(None, description="dgemma: run exactly `steps` per canvas, no early stop")
+    step_cache: StrictBool | None = Field(None, description="dgemma: run only the canvas positions that have not "
+                                          "settled through the decoder (fewer decoder positions, an approximation; "
+                                          "default: the server's --step-cache)")
 
     @field_validator("stop", mode="before")
     @classmethod

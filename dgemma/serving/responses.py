@@ -116,6 +116,8 @@ class Stats(Body):
     steps_per_canvas: list[int] | None = None
     denoising_steps: int | None = None
     tokens_per_forward: float | None = None
+    decoder_positions: int | None = Field(None, description="canvas positions run through the decoder (fewer "
+                                          "with step_cache)")
     time_to_first_canvas_s: float | None = None
     elapsed_s: float | None = None
     tokens_per_second: float | None = None

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -63,6 +63,8 @@ class ServerSettings:
     cpus_per_replica: float | None = None
     gpus_per_replica: float | None = None
     device: str = "auto"  # --device: whether a replica reserves a GPU by default
+    # --step-cache and its settings, as SamplingConfig.replace keywords (None keeps generation_config.json's)
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def served_name(self) -> str:
@@ -183,6 +185,9 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     task = read_task(folder)
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
+    sampling = model.sampling_config.replace(**settings.step_cache)
+    if sampling.step_cache and (adapters or settings.tp is not None):
+        raise StartupError("--step-cache on works with neither --lora nor a split model yet")
     vocab_size = model.config.vocab_size
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(settings, folder, model) if task == "text" else None
@@ -203,7 +208,7 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     if settings.prebuild_json_object and codec.task == "text":
         _prebuild_json_object(codec)
     max_body_bytes = settings.max_body_bytes or (IMAGE_MAX_BODY_BYTES if images else DEFAULT_MAX_BODY_BYTES)
-    return ServerState(worker=worker, codec=codec, model_name=settings.served_name, sampling=model.sampling_config,
+    return ServerState(worker=worker, codec=codec, model_name=settings.served_name, sampling=sampling,
                        canvas_length=model.config.canvas_length, api_key=settings.api_key,
                        max_body_bytes=max_body_bytes, images=images,
                        step_kind=background.kind if background is not None else None, background_compile=background,

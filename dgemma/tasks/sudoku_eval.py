@@ -167,6 +167,8 @@ def _evaluate_diffusion(model, puzzles, batch, sampling, clamp, seed, run, round
     decoding = {
         "rounds": rounds, "candidates": candidates,
         "forwards_per_puzzle": sum(s["forwards"] for s in stats) / len(puzzles),
+        # canvas positions run through the decoder, every candidate's (fewer with the step cache)
+        "decoder_positions_per_puzzle": sum(r.state.decoder_positions for r in requests) / len(puzzles),
         "mean_rounds": sum(s["rounds"] for s in stats) / len(puzzles),
         "rounds_needed": _histogram(s["rounds"] for s in stats if s["accepted"]),
         "winning_candidates": _histogram(s["candidate"] for s in stats if s["accepted"]),

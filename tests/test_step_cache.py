@@ -1,0 +1,278 @@
+"""The step cache (dgemma.generation.step_cache, DiffusionGemma.decode_active): packed positions give what the
+whole canvas gives, settled positions keep their keys/values, and the settle rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.model import PreviousStep
+from dgemma.model.packing import PackedPositions
+from tests.conftest import perturb_every_tensor
+
+
+def _model():
+    torch.manual_seed(0)
+    return perturb_every_tensor(dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval())
+
+
+def _setup(model, prompt_lengths=(5, 9, 7)):
+    """A cache with prompts of these lengths encoded (left-padded), a random canvas and a previous step."""
+    g = torch.Generator().manual_seed(1)
+    V, L = model.config.vocab_size, model.config.canvas_length
+    longest = max(prompt_lengths)
+    ids = torch.randint(1, V, (len(prompt_lengths), longest), generator=g)
+    mask = torch.arange(longest)[None] >= longest - torch.tensor(prompt_lengths)[:, None]
+    cache = model.new_cache(len(prompt_lengths), longest + 2 * L)
+    with torch.no_grad():
+        model.encode(ids, cache, attention_mask=mask, return_logits=False)
+    canvas = torch.randint(0, V, (len(prompt_lengths), L), generator=g)
+    probs = torch.randn(len(prompt_lengths), L, V, generator=g).softmax(-1)
+    return cache, canvas, PreviousStep(probs=probs)
+
+
+@pytest.mark.parametrize("rows", [None, [0, 2], [1, 2]], ids=["all", "scattered rows (copies)", "consecutive (views)"])
+def test_every_position_active_gives_the_whole_canvas_logits(rows):
+    model = _model()
+    cache, canvas, previous = _setup(model)
+    if rows is not None:
+        canvas, previous = canvas[rows], PreviousStep(probs=previous.probs[rows])
+    n, L = canvas.shape
+    with torch.no_grad():
+        whole = model.denoise(canvas, cache, self_conditioning=previous, rows=rows)
+        packed = model.decode_active(canvas, cache, PackedPositions.whole(n, L, canvas.device),
+                                     self_conditioning=previous, rows=rows)
+    torch.testing.assert_close(packed.view(n, L, -1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_subset_on_an_unchanged_canvas_reads_the_settled_positions_entries():
+    """After a whole step, recomputing only some positions (a different count per row: several buckets, one
+    row with none) on the same input gives those positions' whole-canvas logits: the others' keys/values
+    were kept in the canvas slots exactly as the whole step wrote them."""
+    model = _model()
+    cache, canvas, previous = _setup(model)
+    n, L = canvas.shape
+    with torch.no_grad():
+        whole = model.decode_active(canvas, cache, PackedPositions.whole(n, L, canvas.device),
+                                    self_conditioning=previous).view(n, L, -1)
+        active = torch.zeros(n, L, dtype=torch.bool)
+        active[0, [1, 4, 5]] = True
+        active[2, ::2] = True  # row 1 has none
+        pack = PackedPositions.from_mask(active)
+        assert pack.counts == (3, 0, 8) and len(pack.buckets) == 2
+        part = model.decode_active(canvas, cache, pack, self_conditioning=previous)
+    torch.testing.assert_close(part, whole[active], rtol=1e-5, atol=1e-5)
+
+
+def test_settled_positions_keys_are_not_recomputed():
+    """Changing a settled position's token changes nothing the active positions see."""
+    model = _model()
+    cache, canvas, previous = _setup(model, (6,))
+    L = canvas.shape[1]
+    active = torch.zeros(1, L, dtype=torch.bool)
+    active[0, :4] = True
+    changed = canvas.clone()
+    changed[0, 10] = (canvas[0, 10] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        model.decode_active(canvas, cache, PackedPositions.whole(1, L, canvas.device), self_conditioning=previous)
+        pack = PackedPositions.from_mask(active)
+        a = model.decode_active(canvas, cache, pack, self_conditioning=previous)
+        b = model.decode_active(changed, cache, pack, self_conditioning=previous)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- the rule and the plain loop, on a model whose logits at a position depend only on its own token ---------------
+class PositionwiseModel:
+    """logits[b, j] = table[canvas[b, j]] + bias[j]: no position sees another, so keeping a position's logits
+    while its token is unchanged is exact. Tokens >= V // 2 map strongly onto themselves (they settle); the
+    rest are spread out (they keep changing). `rows_margin` scales each row (small: a row never stops)."""
+
+    def __init__(self, canvas_length=12, vocab_size=24, rows_margin=(1.0,), seed=0):
+        from types import SimpleNamespace
+
+        g = torch.Generator().manual_seed(seed)
+        V = vocab_size
+        self.config = SimpleNamespace(canvas_length=canvas_length, vocab_size=V)
+        self.device = torch.device("cpu")
+        self.table = torch.randn(V, V, generator=g) * 2
+        self.table[V // 2 :, V // 2 :] += torch.eye(V - V // 2) * 12
+        self.bias = torch.randn(canvas_length, V, generator=g)
+        self.rows_margin = rows_margin
+        self.packs: list[list[int]] = []  # per decode_active call: the packed rows' counts
+
+    def new_cache(self, batch_size, max_length):
+        return None
+
+    def encode(self, input_ids, cache, attention_mask=None, **_):
+        return None
+
+    def _logits(self, canvas):
+        margin = torch.tensor([self.rows_margin[b % len(self.rows_margin)] for b in range(canvas.shape[0])])
+        return (self.table[canvas] + self.bias) * margin[:, None, None]
+
+    def denoise(self, canvas_ids, cache, *, self_conditioning=None):
+        return self._logits(canvas_ids)
+
+    def decode_active(self, canvas_ids, cache, pack, *, self_conditioning=None, rows=None):
+        self.packs.append(list(pack.counts))
+        return self._logits(canvas_ids)[pack.row_of, pack.index]
+
+
+def _sampling(**kw):
+    base = dict(max_denoising_steps=12, max_new_tokens=24, eos_token_ids=(1,), pad_token_id=0, entropy_bound=2.0)
+    return dgemma.SamplingConfig(**{**base, **kw})
+
+
+def test_with_positionwise_logits_the_cache_changes_no_token_and_saves_positions():
+    from dgemma.generation import generate
+
+    prompts = [[5, 6], [7, 8, 9]]
+    model = PositionwiseModel()
+    # every position accepted at every step: no settled position is re-noised, so the cache is exact here
+    exact = dict(entropy_bound=1e9)
+    off = generate(PositionwiseModel(), prompts, _sampling(**exact), seed=3)
+    on = generate(model, prompts, _sampling(step_cache=True, settle_probability=0.9, **exact), seed=3)
+    assert on.tokens == off.tokens and on.steps_per_canvas == off.steps_per_canvas
+    assert sum(on.decoder_positions) < sum(off.decoder_positions)
+    # without the cache the plain loop runs every row's whole canvas at every step the batch takes
+    assert off.decoder_positions[0] == off.decoder_positions[1] == 12 * sum(
+        max(s[c] for s in off.steps_per_canvas if c < len(s)) for c in range(off.num_canvases))
+    assert sum(on.decoder_positions) == sum(sum(c) for c in model.packs)
+
+
+def test_a_stopped_row_is_not_computed():
+    from dgemma.generation import generate
+
+    model = PositionwiseModel(rows_margin=(2.0, 0.05))  # row 1 is never confident: it runs every step
+    result = generate(model, [[5], [6]], _sampling(step_cache=True, max_new_tokens=12), seed=0)
+    steps = result.steps_per_canvas
+    assert steps[0][0] < steps[1][0] == 12
+    assert all(counts[0] == 0 for counts in model.packs[steps[0][0]:])
+    assert result.decoder_positions[1] == 12 * 12  # never settles: every position every step
+
+
+def test_settle_rule():
+    from dgemma.generation.step_cache import StepCache
+
+    sampling = _sampling(step_cache=True, settle_steps=2, settle_probability=0.9)
+    cache = StepCache(sampling, 1, 4, 3, "cpu")
+    done = torch.zeros(1, dtype=torch.bool)
+    assert cache.active(done).all()  # the first step computes everything
+    cache.computed_with = torch.tensor([[0, 0, 0, 7]])
+    cache.steps = 1
+    sure = torch.tensor([0.95, 0.02, 0.03])
+    probs = sure.expand(1, 4, 3).clone()
+    probs[0, 2] = torch.tensor([0.5, 0.3, 0.2])  # position 2: stable but not sure enough
+    argmax = torch.zeros(1, 4, dtype=torch.long)
+    drawn = torch.tensor([[True, False, True, True]])  # position 1 is re-noised; 3 draws 0, computed with 7
+    next_canvas = torch.tensor([[0, 9, 0, 0]])
+    cache.settle(argmax, probs, drawn, next_canvas, done)
+    assert not cache.settled.any()  # one step of the same argmax is not yet stable
+    cache.settle(argmax, probs, drawn, next_canvas, done)
+    assert cache.settled.tolist() == [[True, True, False, False]]  # 3 waits until computed with its sample
+    assert cache.active(done).tolist() == [[False, False, True, True]]
+    assert not cache.active(torch.ones(1, dtype=torch.bool)).any()  # a stopped row: nothing
+    # position 1 is re-noised again: it stays settled; position 0 draws another token than the one it was
+    # computed with: it wakes
+    cache.settle(argmax, probs, drawn, torch.tensor([[2, 5, 0, 0]]), done)
+    assert cache.settled.tolist() == [[False, True, False, False]]
+    cache.refresh, cache.steps = 4, 4
+    assert cache.active(done).all()  # a refresh step computes everything
+
+
+def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
+    import json
+
+    assert "dgemma" not in dgemma.SamplingConfig().to_hf_dict()  # off: the file stays as it was
+    on = dgemma.SamplingConfig(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    written = on.to_hf_dict()
+    assert written["dgemma"] == dict(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"), on)
+    dgemma.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["dgemma"] == written["dgemma"]
+    loaded = dgemma.load_model(tmp_path).sampling_config
+    assert (loaded.step_cache, loaded.settle_steps, loaded.settle_probability, loaded.cache_refresh) == (
+        True, 3, 0.95, 4)
+    with pytest.raises(dgemma.ConfigError, match="settle_probability"):
+        dgemma.SamplingConfig(settle_probability=1.5)
+
+
+def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path):
+    import argparse
+
+    from dgemma.cli import main
+
+    from dgemma.commands._common import add_sampling_arguments, step_cache_overrides
+
+    p = argparse.ArgumentParser()
+    add_sampling_arguments(p)
+    args = p.parse_args(["--step-cache", "on", "--settle-steps", "3", "--settle-probability", "0.9",
+                         "--cache-refresh", "4"])
+    assert step_cache_overrides(args) == dict(step_cache=True, settle_steps=3, settle_probability=0.9, cache_refresh=4)
+    assert step_cache_overrides(p.parse_args([]))["step_cache"] is None  # the model's setting
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--ar", "--step-cache", "on"]) == 2
+    assert "--step-cache works with the diffusion sampler, not with --ar" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--prompt", "x", "--settle-probability", "2"])
+    assert e.value.code == 2 and "must be in [0, 1]" in capsys.readouterr().err
+
+
+# -- the engine against the plain loop, with the cache on ----------------------------------------------------------
+PUZZLES = [
+    "530070000600195000098000060800060003400803001700020006060000280000419005000080079",
+    "000260701680070090190004500820100040004602900050003028009300074040050036703018000",
+    "100489006730000040000001295007120600500703008006095700914600000020000037800512004",
+    "020810740700003100090002805009040087400208003160030200302700060005600008076051090",
+]
+
+
+@pytest.fixture(scope="module")
+def sudoku_model():
+    from dgemma.commands.sudoku import SHIPPED
+
+    return dgemma.load_model(SHIPPED)
+
+
+def test_sudoku_engine_equals_the_plain_loop_with_the_cache_on(sudoku_model):
+    """Rows with different numbers of active positions share each engine step (packed); every request's
+    tokens, steps and decoder positions are the plain loop's, and fewer positions run than without the cache."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+    from dgemma.tasks import sudoku
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH, sudoku_sampling
+
+    prompts = [sudoku.encode_prompt(sudoku.parse_puzzle(p)) for p in PUZZLES]
+    on = sudoku_sampling(sudoku_model, 0, step_cache=True)
+    plain = [generate(sudoku_model, [p], on, seed=7 + i) for i, p in enumerate(prompts)]
+    engine = Engine(sudoku_model, max_batch=4, max_length=MAX_LENGTH)
+    requests = engine.generate(prompts, on, seeds=[7 + i for i in range(len(prompts))])
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+        assert r.stats()["decoder_positions"] == p.decoder_positions[0]
+    off = engine.generate(prompts, on.replace(step_cache=False), seeds=[7 + i for i in range(len(prompts))])
+    positions_off = [r.stats()["decoder_positions"] for r in off]
+    assert positions_off == [81 * s for r in off for s in r.steps_per_canvas]
+    assert sum(r.stats()["decoder_positions"] for r in requests) < 0.5 * sum(positions_off)
+    assert engine.decoder_positions == sum(positions_off) + sum(r.stats()["decoder_positions"] for r in requests)
+
+
+def test_an_int8_model_with_the_prefix_cache_and_the_step_cache_gives_the_plain_loops_tokens():
+    """int8 weights, the prefix cache (the second request reads its prompt's cached blocks) and rows of different
+    active counts in one step: the engine's tokens are the plain loop's, with the step cache on."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+    from dgemma.model.quant import quantize_model
+
+    model = quantize_model(_model(), "int8")
+    on = dgemma.SamplingConfig(max_new_tokens=32, eos_token_ids=(1,), max_denoising_steps=6, step_cache=True,
+                               settle_steps=1, settle_probability=0.3)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [3, 4, 9]]
+    plain = [generate(model, [p], on, seed=20 + i) for i, p in enumerate(prompts)]
+    engine = Engine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24)
+    engine.generate(prompts[:1], on, seeds=[99])  # fills the prefix cache
+    requests = engine.generate(prompts, on, seeds=[20, 21])
+    assert requests[0].cached_tokens > 0
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+        assert r.stats()["decoder_positions"] == p.decoder_positions[0]
