@@ -15,6 +15,7 @@ from dgemma.commands._common import (
     add_revision_argument,
     apply_int8_compute,
     denoising_overrides,
+    engine_shape,
     maybe_compile,
     plot_file,
 )
@@ -148,7 +149,11 @@ def _load(args):
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")
-    return maybe_compile(args, apply_int8_compute(args, model))
+    # the engine's shape: solve runs --candidates rows, eval --batch (dgemma.tasks.sudoku_eval)
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH
+
+    batch = args.batch if hasattr(args, "batch") else args.candidates
+    return maybe_compile(args, apply_int8_compute(args, model), shape=engine_shape(batch, MAX_LENGTH))
 
 
 def _sampling(model, args):
