@@ -59,7 +59,7 @@ def add_arguments(p):
 
     ev = sub.add_parser("eval", help="solve every puzzle of a file; per-bucket accuracy, JSON last")
     ev.add_argument("--file", required=True, help="one puzzle per line (81 chars, 0 or . blank; ',solution' ignored)")
-    _model_arguments(ev, compile_by_default=True)
+    _model_arguments(ev, compile_by_default="warm")  # a cold compile took 570 s of an 8-puzzle eval
     ev.add_argument("--batch", type=int, default=32, help="puzzles denoised together (default 32)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N puzzles")
     ev.add_argument("--plot", type=plot_file, default=None, help="write a PNG of the order in which cells get fixed")

@@ -176,11 +176,11 @@ def _shape_words(shape: str | None) -> str:
 def should_compile(model, *, compile: bool = False, eager: bool = False, by_default: bool | str = False,
                    mode: str | None = None, shape: str | None = None) -> Choice:
     """The compile policy for generation: `eager` / `compile` (the flags) first, then DGEMMA_EAGER, then the
-    command's default: True (long-running commands: serve, chat, bench, sudoku eval; compiled, but a model
-    above CPU_EAGER_ABOVE_PARAMS on a CPU only once its step at `shape` is in the cache), False, or "warm"
-    (one-shot commands: generate, sudoku solve; only when the step at `shape` is in the cache: a cold
-    compile, a minute or more, costs more than the eager run, a few seconds, and a cache entry for another
-    shape does not spare it)."""
+    command's default: True (long-running commands: serve, chat, bench; compiled, but a model above
+    CPU_EAGER_ABOVE_PARAMS on a CPU only once its step at `shape` is in the cache), False, or "warm"
+    (commands that end: generate, sudoku solve and eval; only when the step at `shape` is in the cache: a
+    cold compile, a minute or more, costs more than their eager run, seconds for a solve, and a cache entry
+    for another shape does not spare it)."""
     if eager:
         return Choice(False, "--eager")
     if compile:
@@ -205,10 +205,12 @@ def should_compile(model, *, compile: bool = False, eager: bool = False, by_defa
 
 
 # Compiled training pays back its compile only over enough steps. Measured on the sudoku recipe
-# (scripts/sudoku-model.json: 6 layers of width 128; batch 64 x 163 tokens; bf16 autocast) on a loaded
-# 2-core AVX-512 BF16 CPU (benchmarks/README.md, "Training steps"): eager ~2.8 s a step, compiled ~2.1 s;
-# compiling its blocks ~190 s with an empty cache, ~TODO s with this run's entry in it. The break-even in steps:
-TRAIN_BREAK_EVEN_STEPS = {"cold": 280, "warm": 60}
+# (scripts/sudoku-model.json: 6 layers of width 128; batch 64 x 163 tokens; bf16 autocast) on a shared
+# 2-core AVX-512 BF16 CPU (benchmarks/README.md, "Training steps"): eager ~2.8 s a step, compiled ~2.1 s,
+# and compiling the blocks ~190 s with an empty cache (218 s for the first 10 steps): break-even ~280 steps.
+# With this shape's entry in the cache the compile is cheaper, but by how much was lost in the machine's
+# load (398 s for the first 10 steps at a load of 7, against 218 s cold at 2-3); taken as half.
+TRAIN_BREAK_EVEN_STEPS = {"cold": 280, "warm": 140}
 # ... at this much work per step (tokens x width x layers): a compile costs about the same at any size (one
 # graph per kind of layer), while what it saves per step grows with the step's elementwise work.
 TRAIN_REFERENCE_WORK = 64 * 163 * 128 * 6
