@@ -153,16 +153,18 @@ def engine_shape(max_batch: int, max_length: int) -> str:
     return f"batch {max_batch}, length {max_length}"
 
 
-def maybe_compile(args, model, shape: str | None = None):
+def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
     """`compile_model(model)` when the policy says so (see `wants_compile`), after one line on stderr that says
-    the choice and why ("step: eager (...)"); the model either way."""
+    the choice and why ("step: eager (...)") unless `announce` is False; the model either way."""
     from dgemma.model.compilation import compile_model
 
     if getattr(model, "eager_only", None) is not None:  # a split model: it says why it stays eager
-        print(f"step: eager ({model.eager_only})", file=sys.stderr, flush=True)
+        if announce:
+            print(f"step: eager ({model.eager_only})", file=sys.stderr, flush=True)
         return model
     choice = wants_compile(args, model, shape)
-    print(f"step: {choice}", file=sys.stderr, flush=True)
+    if announce:
+        print(f"step: {choice}", file=sys.stderr, flush=True)
     if choice:
         compile_model(model, compile_mode(args, model), shape=shape)
     return model
@@ -234,9 +236,9 @@ def model_width(model_path: str | None) -> int | None:
         return None
 
 
-def load_from_args(args, *, compile: bool = True, shape: str | None = None):
-    """The model --model names; compiled per the flags (for `shape`, see `wants_compile`) unless `compile` is
-    False (the caller decides when)."""
+def load_from_args(args, *, compile: bool = True, shape: str | None = None, announce: bool = True):
+    """The model --model names; compiled per the flags (for `shape`, see `wants_compile`; `announce`: the
+    choice's line on stderr) unless `compile` is False (the caller decides when)."""
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
@@ -246,7 +248,7 @@ def load_from_args(args, *, compile: bool = True, shape: str | None = None):
         return load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
     model = apply_int8_compute(args, model)
-    return maybe_compile(args, model, shape) if compile else model
+    return maybe_compile(args, model, shape, announce=announce) if compile else model
 
 
 def read_prompt(text: str | None) -> str:
