@@ -11,6 +11,11 @@ times (turn about, so a change in the machine's load touches them all).
 
     python benchmarks/train_step.py                  # eager:bf16 (before), eager:auto, compiled:auto
     python benchmarks/train_step.py --systems eager:fp32 compiled:fp32 eager:bf16 compiled:bf16
+    python benchmarks/train_step.py --systems default:bf16 old:bf16 --cold-cache --old-code /tmp/f15729f
+
+Systems: `eager` (--eager), `compiled` (--compile), `default` (no flag: the compile policy chooses by the
+run's length and the cache), `old` (the code at --old-code, e.g. a `git worktree add` of an old commit,
+run from that folder with no compile flag). `--cold-cache` gives every process an empty compile cache.
 
 Per system: the precision it ran in, the first 10 steps' seconds (a compiled run compiles there), steps/s
 over steps 11-N (the steady rate) and over all N, the final loss (the mean over the last 10 steps), and
@@ -61,7 +66,9 @@ def run_system(system: str, data: Path, work: Path, steps: int, *, old_code: str
     if cold_cache:  # an empty compile cache for this process: what a newcomer's first run meets
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cache-", dir=work)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+    # the old code runs from its own folder: `python -m` puts the working directory first on the path
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
+                          cwd=old_code if mode == "old" else None)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{system}: dgemma train failed:\n{proc.stderr[-2000:]}")

@@ -269,7 +269,8 @@ class CompileState:
             warn_eager(f"compiling failed ({type(error).__name__}: {first})")
 
     def succeeded(self):
-        if not self.marked:
+        """Mark the cache warm for this model and shape, once (not after a compile failed)."""
+        if not self.marked and not self.failed:
             self.marked = True
             mark_warm(self.model, self.mode, self.shape)
 
