@@ -11,6 +11,11 @@ times (turn about, so a change in the machine's load touches them all).
 
     python benchmarks/train_step.py                  # eager:bf16 (before), eager:auto, compiled:auto
     python benchmarks/train_step.py --systems eager:fp32 compiled:fp32 eager:bf16 compiled:bf16
+    python benchmarks/train_step.py --systems default:bf16 old:bf16 --cold-cache --old-code /tmp/f15729f
+
+Systems: `eager` (--eager), `compiled` (--compile), `default` (no flag: the compile policy chooses by the
+run's length and the cache), `old` (the code at --old-code, e.g. a `git worktree add` of an old commit,
+run from that folder with no compile flag). `--cold-cache` gives every process an empty compile cache.
 
 Per system: the precision it ran in, the first 10 steps' seconds (a compiled run compiles there), steps/s
 over steps 11-N (the steady rate) and over all N, the final loss (the mean over the last 10 steps), and
@@ -43,17 +48,27 @@ def write_puzzles(path: Path, count: int):
     path.write_text("".join(lines))
 
 
-def run_system(system: str, data: Path, work: Path, steps: int) -> dict:
-    """One `dgemma train` run; system = "eager:bf16", "compiled:auto", ..."""
+def run_system(system: str, data: Path, work: Path, steps: int, *, old_code: str | None = None,
+               cold_cache: bool = False) -> dict:
+    """One `dgemma train` run; system = "eager:bf16", "compiled:auto", "default:auto" (no flag: the
+    compile policy decides), "old:bf16" (the code at --old-code, run as it was: no compile flag)."""
     mode, precision = system.split(":")
     out = work / f"{mode}-{precision}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dgemma", "train", *RECIPE, "--data", str(data), "--out", str(out),
            "--steps", str(steps), "--save-every", str(steps), "--precision", precision]
-    if mode == "eager":
-        cmd.append("--eager")
+    if mode in ("eager", "compiled"):
+        cmd.append(f"--{mode}" if mode == "eager" else "--compile")
     env = {k: v for k, v in os.environ.items() if k != "DGEMMA_EAGER"}
+    if mode == "old":
+        if old_code is None:
+            raise SystemExit("old:PRECISION needs --old-code DIR (e.g. a `git worktree add` of the old commit)")
+        env["PYTHONPATH"] = old_code
+    if cold_cache:  # an empty compile cache for this process: what a newcomer's first run meets
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cache-", dir=work)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+    # the old code runs from its own folder: `python -m` puts the working directory first on the path
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
+                          cwd=old_code if mode == "old" else None)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{system}: dgemma train failed:\n{proc.stderr[-2000:]}")
@@ -62,6 +77,7 @@ def run_system(system: str, data: Path, work: Path, steps: int) -> dict:
     first, last = 10, steps
     started_line = next(line for line in proc.stderr.splitlines() if line.startswith("training "))
     return {"system": system, "ran_in": started_line.rsplit(", ", 1)[1], "first_10_s": at[first],
+            "started": started_line.split(" on cpu, ", 1)[-1], "elapsed_s": at,
             "steady_steps_per_s": (last - first) / (at[last] - at[first]), "steps_per_s": last / at[last],
             "final_loss": records[-1]["loss"], "process_s": round(wall, 1),
             "warning": next((line for line in proc.stderr.splitlines() if line.startswith("warning")), None)}
@@ -84,6 +100,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--puzzles", type=int, default=640, help="generated training puzzles (default 640)")
     p.add_argument("--rounds", type=int, default=1, help="times each system runs, turn about")
+    p.add_argument("--old-code", metavar="DIR", help="the package root that old:PRECISION runs (its PYTHONPATH)")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="each run starts from an empty compile cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder)")
     args = p.parse_args(argv)
     if args.steps < 20 or args.steps % 10:
         raise SystemExit("--steps must be a multiple of 10, at least 20")
@@ -92,7 +111,8 @@ def main(argv=None):
         work = Path(tmp)
         write_puzzles(work / "train.jsonl", args.puzzles)
         for _ in range(args.rounds):
-            rounds.append([run_system(s, work / "train.jsonl", work, args.steps) for s in args.systems])
+            rounds.append([run_system(s, work / "train.jsonl", work, args.steps, old_code=args.old_code,
+                                      cold_cache=args.cold_cache) for s in args.systems])
             _ratios(rounds[-1])
     n = args.steps
 

@@ -31,9 +31,9 @@ def _args(by_default, *flags):
 def test_compile_policy_flags_environment_and_warm_cache(model, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DGEMMA_EAGER", raising=False)
-    # serve, chat, bench, sudoku eval: compiled unless --eager (or DGEMMA_EAGER=1)
+    # serve, chat, bench: compiled unless --eager (or DGEMMA_EAGER=1)
     assert wants_compile(_args(True), model) and not wants_compile(_args(True, "--eager"), model)
-    # generate, sudoku solve: with --compile, or once this model's compiled step is in the cache
+    # generate, sudoku solve and eval: with --compile, or once this model's compiled step is in the cache
     assert not wants_compile(_args("warm"), model) and wants_compile(_args("warm", "--compile"), model)
     with pytest.raises(SystemExit):
         _args(True, "--eager", "--compile")
@@ -95,3 +95,71 @@ def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, 
         assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "failed" in err[0], err
         assert not compilation.is_warm(failing)
     torch._dynamo.reset()
+
+
+def test_training_compiles_when_the_run_pays_the_compile_back():
+    """Compiled training pays back its compile only over enough steps: the sudoku recipe's 30 and 200 steps
+    stay eager with an empty cache, 300 compile; with this shape's entry in the cache (warm) the compile is
+    cheaper and 200 steps compile. More work per step pays back sooner; a model above a billion parameters
+    stays eager. The choice says why."""
+    import json
+    from pathlib import Path
+
+    from dgemma.training.model_setup import config_from_init
+
+    recipe = config_from_init(str(Path(__file__).parents[1] / "scripts" / "sudoku-model.json"), {})
+    tokens = 64 * 163  # batch 64 x (82 prompt + 81 canvas tokens)
+    assert json.loads((Path(__file__).parents[1] / "scripts" / "sudoku-model.json").read_text())["hidden_size"] == 128
+
+    def choose(steps, warm=False, config=recipe, tokens_per_step=tokens):
+        return compilation.training_choice(config, steps=steps, tokens_per_step=tokens_per_step, warm=warm)
+
+    assert not choose(30) and not choose(200) and choose(300)
+    assert "30 steps do not pay back" in str(choose(30)) and str(choose(30)).startswith("eager (")
+    assert str(choose(300)).startswith("compiled (300 steps pay back")
+    assert choose(200, warm=True) and not choose(30, warm=True) and "in the compile cache" in str(choose(200, True))
+    assert choose(200, tokens_per_step=4 * tokens)  # four times the work per step: pays back sooner
+    big = recipe.replace(hidden_size=8192, intermediate_size=32768)
+    assert big.param_counts()["total"] > compilation.CPU_EAGER_ABOVE_PARAMS
+    assert not choose(100_000, warm=True, config=big) and "parameters" in str(choose(100_000, config=big))
+
+
+def test_training_shape_and_the_warm_marker_follow_the_step(model, monkeypatch, tmp_path):
+    """The training marker is keyed by the step's shape: another batch or precision is cold."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    shape = compilation.training_shape(objective="diffusion", batch=64, length=163, precision="bf16", lora=False)
+    assert not compilation.is_warm(model, "training", shape)
+    compilation.mark_warm(model, "training", shape)
+    assert compilation.is_warm(model, "training", shape)
+    for other in (dict(batch=32), dict(precision="fp32")):
+        changed = {**dict(objective="diffusion", batch=64, length=163, precision="bf16", lora=False), **other}
+        assert not compilation.is_warm(model, "training", compilation.training_shape(**changed))
+    assert not compilation.is_warm(model, compilation.default_mode(model.device), shape)  # generation's mode
+
+
+def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tmp_path, capsys):
+    """`sudoku eval` marked its shape (batch 32) warm: a `sudoku solve` (batch 1) must not compile, and says
+    so on its start line; once solve's own shape is in the cache it compiles. No real compile here:
+    compile_model is replaced by a recorder."""
+    from dgemma import cli
+    from dgemma.commands._common import engine_shape
+    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.model import load_model
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DGEMMA_EAGER", raising=False)
+    shipped = load_model(SHIPPED, dtype=torch.float32)
+    mode = compilation.default_mode("cpu")
+    compilation.mark_warm(shipped, mode, engine_shape(32, MAX_LENGTH))  # what a compiled eval leaves
+    compiled = []
+    monkeypatch.setattr(compilation, "compile_model", lambda model, *a, **k: compiled.append(k) or model)
+    solve = ["sudoku", "solve", "--no-live", "--steps", "2"]
+    assert cli.main(solve) in (0, 1)
+    assert not compiled
+    err = capsys.readouterr().err
+    assert "step: eager (this shape (batch 1, length" in err and "not in the compile cache" in err, err
+    compilation.mark_warm(shipped, mode, engine_shape(1, MAX_LENGTH))  # what a compiled solve leaves
+    assert cli.main(solve) in (0, 1)
+    assert compiled == [{"shape": engine_shape(1, MAX_LENGTH)}]
+    assert "step: compiled (this shape (batch 1, length" in capsys.readouterr().err

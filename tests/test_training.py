@@ -149,15 +149,27 @@ def test_diffusion_training_from_scratch_lowers_the_loss(scratch_run):
 
 
 def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
-    """The default compiles the blocks on a CPU (the suite's DGEMMA_EAGER=1 lifted here): the same losses
-    as --eager step by step, in fp32, within float reassociation."""
+    """--compile compiles the blocks on a CPU (the suite's DGEMMA_EAGER=1 lifted here): the same losses as
+    --eager step by step, in fp32, within float reassociation. A 4-step run left to the default stays eager
+    (it would not pay the compile back) and says so; the compiled run marks its shape warm."""
+    from dgemma.model import compilation
+
     monkeypatch.delenv("DGEMMA_EAGER", raising=False)
+    # warm markers in a folder of the test's own (inductor's cache stays where it is: no cold compile here)
+    monkeypatch.setattr(compilation, "_marker", lambda model, mode, shape: tmp_path / "warm" /
+                        compilation.warm_key(model, mode, shape))
     short = dict(steps=4, log_every=1, save_every=4, precision="fp32")
     eager = train(task_config(tmp_path, "eager", compile=False, **short))
     assert "on cpu, eager (--eager)" in capsys.readouterr().err
-    compiled = train(task_config(tmp_path, "compiled", **short))
+    train(task_config(tmp_path, "default", **short))
+    assert "on cpu, eager (4 steps do not pay back the compile" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--eager and --compile exclude each other"):
+        train(task_config(tmp_path, "both", compile=False, force_compile=True, **short))
+    assert not list(tmp_path.glob("warm/*"))
+    compiled = train(task_config(tmp_path, "compiled", force_compile=True, **short))
     err = capsys.readouterr().err
-    assert "on cpu, compiled" in err and "warning" not in err
+    assert "on cpu, compiled (--compile)" in err and "warning" not in err
+    assert len(list(tmp_path.glob("warm/*"))) == 1  # this shape's step is in the cache now
     for a, b in zip(eager.metrics, compiled.metrics, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)

@@ -122,8 +122,10 @@ def _modes():
     return ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def wants_compile(args, model) -> bool:
-    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`).
+def wants_compile(args, model, shape: str | None = None):
+    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`), with
+    the shape the command will run (a label: "batch 1, length 256"): a `compilation.Choice`, true when it
+    compiles, whose `str` says why.
     --deterministic runs eagerly: a compiled step's kernels round otherwise than the eager ones (a server
     answers eagerly until its step has compiled), and autotuning picks them by timings, which vary from one
     process to the next."""
@@ -132,12 +134,12 @@ def wants_compile(args, model) -> bool:
     if getattr(args, "deterministic", False):
         if getattr(args, "compile", False):
             raise UsageError("--deterministic runs eagerly: drop --compile")
-        return False
+        return compilation.Choice(False, "--deterministic")
 
     return compilation.should_compile(model, compile=getattr(args, "compile", False),
                                       eager=getattr(args, "eager", False),
                                       by_default=getattr(args, "compile_by_default", False),
-                                      mode=getattr(args, "compile_mode", "auto"))
+                                      mode=getattr(args, "compile_mode", "auto"), shape=shape)
 
 
 def compile_mode(args, model) -> str:
@@ -146,12 +148,25 @@ def compile_mode(args, model) -> str:
     return compilation.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
 
 
-def maybe_compile(args, model):
-    """`compile_model(model)` when the policy says so (see `wants_compile`); the model either way."""
+def engine_shape(max_batch: int, max_length: int) -> str:
+    """The label of an engine's shape for the compile cache's warm marker (`compilation.warm_key`)."""
+    return f"batch {max_batch}, length {max_length}"
+
+
+def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
+    """`compile_model(model)` when the policy says so (see `wants_compile`), after one line on stderr that says
+    the choice and why ("step: eager (...)") unless `announce` is False; the model either way."""
     from dgemma.model.compilation import compile_model
 
-    if wants_compile(args, model):
-        compile_model(model, compile_mode(args, model))
+    if getattr(model, "eager_only", None) is not None:  # a split model: it says why it stays eager
+        if announce:
+            print(f"step: eager ({model.eager_only})", file=sys.stderr, flush=True)
+        return model
+    choice = wants_compile(args, model, shape)
+    if announce:
+        print(f"step: {choice}", file=sys.stderr, flush=True)
+    if choice:
+        compile_model(model, compile_mode(args, model), shape=shape)
     return model
 
 
@@ -264,8 +279,9 @@ def model_width(model_path: str | None) -> int | None:
         return None
 
 
-def load_from_args(args, *, compile: bool = True):
-    """The model --model names; compiled per the flags unless `compile` is False (the caller decides when)."""
+def load_from_args(args, *, compile: bool = True, shape: str | None = None, announce: bool = True):
+    """The model --model names; compiled per the flags (for `shape`, see `wants_compile`; `announce`: the
+    choice's line on stderr) unless `compile` is False (the caller decides when)."""
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
@@ -275,7 +291,7 @@ def load_from_args(args, *, compile: bool = True):
         return load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
     model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
     model = apply_int8_compute(args, model)
-    return maybe_compile(args, model) if compile else model
+    return maybe_compile(args, model, shape, announce=announce) if compile else model
 
 
 def read_prompt(text: str | None) -> str:

@@ -129,7 +129,7 @@ def run(args):
     prompts_by_batch = {b: torch.randint(3, c.vocab_size, (b, args.prompt_len), generator=gen).tolist()
                         for b in batches}
     need = positions_needed(args.prompt_len, new_tokens, c.canvas_length)
-    compiling = wants_compile(args, model)
+    compiling = bool(wants_compile(args, model))
 
     def compared(engine_system: str, batch: int, prompts) -> list:
         """Our engine, transformers and AR decoding, timed turn about (see `timing.interleave`)."""

@@ -89,7 +89,7 @@ def run(args):
     from dgemma.engine import Engine, Request
     from dgemma.tokenizer import Tokenizer
 
-    model = load_from_args(args)
+    model = load_from_args(args, announce=False)  # compiled by default: stderr stays the conversation's
     tokenizer = Tokenizer.from_folder(args.model)
     if tokenizer.chat_template is None:
         raise UsageError(f"{args.model} has no chat template; use `dgemma generate` for plain text")

@@ -12,7 +12,9 @@ from dgemma.commands._common import (
     add_model_arguments,
     add_prefix_cache_arguments,
     add_sampling_arguments,
+    engine_shape,
     load_from_args,
+    maybe_compile,
     prefix_cache_bytes,
     read_prompt,
     refuse_step_cache_with_ar,
@@ -146,7 +148,7 @@ def run(args):
     images = open_images(args.image)
     if images and args.ar:
         raise UsageError("--image works with the diffusion sampler, not with --ar")
-    model = load_from_args(args)
+    model = load_from_args(args, compile=False)  # compiled below, once its shape is known
     sampling = sampling_from_args(model, args)
     placeholder = image_placeholder(model, tokenizer) if images else None
     prompt = encode_prompt(tokenizer, text, args.chat, len(images), placeholder)
@@ -160,7 +162,7 @@ def run(args):
     if args.ar:
         if constraint is not None:
             raise UsageError("--json-schema / --json-object work with the diffusion sampler, not with --ar")
-        return _run_ar(args, model, tokenizer, prompt, sampling)
+        return _run_ar(args, maybe_compile(args, model, shape="left to right"), tokenizer, prompt, sampling)
 
     import rich.console
 
@@ -168,6 +170,7 @@ def run(args):
     if need > context:
         raise UsageError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceed the "
                          f"model's context of {context}")
+    maybe_compile(args, model, shape=engine_shape(1, need))
     engine = Engine(model, max_batch=1, max_length=need, prefix_cache_bytes=prefix_cache_bytes(args, model, "generate"),
                     prefill_chunk=args.prefill_chunk, deterministic=args.deterministic)
     stream = TextStream(tokenizer) if not args.json else None

@@ -15,6 +15,7 @@ from dgemma.commands._common import (
     add_revision_argument,
     apply_int8_compute,
     denoising_overrides,
+    engine_shape,
     refuse_step_cache_with_ar,
     maybe_compile,
     plot_file,
@@ -59,7 +60,7 @@ def add_arguments(p):
 
     ev = sub.add_parser("eval", help="solve every puzzle of a file; per-bucket accuracy, JSON last")
     ev.add_argument("--file", required=True, help="one puzzle per line (81 chars, 0 or . blank; ',solution' ignored)")
-    _model_arguments(ev, compile_by_default=True)
+    _model_arguments(ev, compile_by_default="warm")  # a cold compile took 570 s of an 8-puzzle eval
     ev.add_argument("--batch", type=int, default=32, help="puzzles denoised together (default 32)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N puzzles")
     ev.add_argument("--plot", type=plot_file, default=None, help="write a PNG of the order in which cells get fixed")
@@ -150,7 +151,11 @@ def _load(args):
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")
-    return maybe_compile(args, apply_int8_compute(args, model))
+    # the engine's shape: solve runs --candidates rows, eval --batch (dgemma.tasks.sudoku_eval)
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH
+
+    batch = args.batch if hasattr(args, "batch") else args.candidates
+    return maybe_compile(args, apply_int8_compute(args, model), shape=engine_shape(batch, MAX_LENGTH))
 
 
 def _sampling(model, args):

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import threading
@@ -107,39 +108,45 @@ def unavailable_reason(device) -> str | None:
     return None
 
 
-def warm_key(model, mode: str) -> str:
-    """What the compiled code depends on, hashed."""
+def warm_key(model, mode: str, shape: str | None = None) -> str:
+    """What the compiled code depends on, hashed: the model (config, dtype, quantisation, device type), the
+    mode, torch's version and the shape the command runs (a label such as "batch 1, length 256": dynamo
+    compiles each new shape afresh, so a cache entry for one batch size says nothing of another)."""
     config = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else repr(model.config)
     what = dict(config=config, dtype=str(model.dtype), device=model.device.type, mode=mode,
-                quantization=model.quantization, torch=torch.__version__)
+                quantization=model.quantization, torch=torch.__version__, shape=shape)
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _marker(model, mode: str) -> Path:
-    return cache_dir() / "dgemma-warm" / warm_key(model, mode)
+def _marker(model, mode: str, shape: str | None) -> Path:
+    return cache_dir() / "dgemma-warm" / warm_key(model, mode, shape)
 
 
-def is_warm(model, mode: str | None = None) -> bool:
-    """Whether this model's compiled step has run before from this cache (so compiling is quick)."""
-    return _marker(model, mode or default_mode(model.device)).is_file()
+def is_warm(model, mode: str | None = None, shape: str | None = None) -> bool:
+    """Whether this model's compiled step has run before from this cache at this shape (so compiling it is
+    quick)."""
+    return _marker(model, mode or default_mode(model.device), shape).is_file()
 
 
-def mark_warm(model, mode: str):
-    path = _marker(model, mode)
+def mark_warm(model, mode: str, shape: str | None = None):
+    path = _marker(model, mode, shape)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"torch": torch.__version__, "dtype": str(model.dtype),
+        path.write_text(json.dumps({"torch": torch.__version__, "dtype": str(model.dtype), "shape": shape,
                                     "device": model.device.type, "mode": mode}) + "\n")
     except OSError:
         pass  # a read-only cache folder costs the next start its warm default, nothing else
 
 
-def compiles_by_default(model, mode: str | None = None) -> bool:
+def is_big_on_cpu(model) -> bool:
+    """A model above CPU_EAGER_ABOVE_PARAMS on a CPU: its step is big matmuls compiling does not speed up."""
+    return model.device.type == "cpu" and model.config.param_counts()["total"] > CPU_EAGER_ABOVE_PARAMS
+
+
+def compiles_by_default(model, mode: str | None = None, shape: str | None = None) -> bool:
     """Whether a command that compiles by default should compile this model: not a model above
-    CPU_EAGER_ABOVE_PARAMS on a CPU, unless its compiled step is already in the cache."""
-    if model.device.type != "cpu" or model.config.param_counts()["total"] <= CPU_EAGER_ABOVE_PARAMS:
-        return True
-    return is_warm(model, mode)
+    CPU_EAGER_ABOVE_PARAMS on a CPU, unless its compiled step at this shape is already in the cache."""
+    return not is_big_on_cpu(model) or is_warm(model, mode, shape)
 
 
 def resolve_mode(mode: str | None, device) -> str:
@@ -147,26 +154,93 @@ def resolve_mode(mode: str | None, device) -> str:
     return default_mode(device) if mode in (None, "auto") else mode
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The compile policy's answer: whether to compile, and why, in words for the command's start line
+    (`str(choice)`: "compiled (...)" or "eager (...)"). True when it compiles."""
+
+    compile: bool
+    why: str
+
+    def __bool__(self) -> bool:
+        return self.compile
+
+    def __str__(self) -> str:
+        return f"{'compiled' if self.compile else 'eager'} ({self.why})"
+
+
+def _shape_words(shape: str | None) -> str:
+    return f"this shape ({shape})" if shape else "this model"
+
+
 def should_compile(model, *, compile: bool = False, eager: bool = False, by_default: bool | str = False,
-                   mode: str | None = None) -> bool:
-    """The compile policy: `eager` / `compile` (the flags) first, then DGEMMA_EAGER, then the command's
-    default: True (compiled, but a model above CPU_EAGER_ABOVE_PARAMS on a CPU only once warm), False, or
-    "warm" (only when this model's compiled step is in the cache)."""
+                   mode: str | None = None, shape: str | None = None) -> Choice:
+    """The compile policy for generation: `eager` / `compile` (the flags) first, then DGEMMA_EAGER, then the
+    command's default: True (long-running commands: serve, chat, bench; compiled, but a model above
+    CPU_EAGER_ABOVE_PARAMS on a CPU only once its step at `shape` is in the cache), False, or "warm"
+    (commands that end: generate, sudoku solve and eval; only when the step at `shape` is in the cache: a
+    cold compile, a minute or more, costs more than their eager run, seconds for a solve, and a cache entry
+    for another shape does not spare it)."""
     if eager:
-        return False
+        return Choice(False, "--eager")
     if compile:
-        return True
+        return Choice(True, "--compile")
     if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
-        return False
+        return Choice(False, "DGEMMA_EAGER is set")
     mode = resolve_mode(mode, model.device)
+    warm = is_warm(model, mode, shape)
     if by_default == "warm":
-        return is_warm(model, mode)
-    if by_default and not compiles_by_default(model, mode):
-        print(f"note: {model.config.param_counts()['total'] / 1e9:.1f}B parameters on a CPU: running eagerly (its "
-              f"step is big matmuls compiling does not speed up, and the compile takes many minutes); "
-              f"--compile to compile anyway", file=sys.stderr)
-        return False
-    return bool(by_default)
+        if warm:
+            return Choice(True, f"{_shape_words(shape)} is in the compile cache")
+        return Choice(False, f"{_shape_words(shape)} is not in the compile cache, and compiling it would take "
+                             f"longer than this run; --compile to compile")
+    if by_default and is_big_on_cpu(model) and not warm:
+        return Choice(False, f"{model.config.param_counts()['total'] / 1e9:.1f}B parameters on a CPU: its step is "
+                             f"big matmuls compiling does not speed up, and the compile takes many minutes; "
+                             f"--compile to compile anyway")
+    if by_default:
+        return Choice(True, f"{_shape_words(shape)} is in the compile cache" if warm else
+                      "the default for this command; --eager to skip the compile")
+    return Choice(False, "--compile to compile")
+
+
+# Compiled training pays back its compile only over enough steps. Measured on the sudoku recipe
+# (scripts/sudoku-model.json: 6 layers of width 128; batch 64 x 163 tokens; bf16 autocast) on a shared
+# 2-core AVX-512 BF16 CPU (benchmarks/README.md, "Training steps"): eager ~2.8 s a step, compiled ~2.1 s,
+# and compiling the blocks ~190 s with an empty cache (218 s for the first 10 steps): break-even ~280 steps.
+# With this shape's entry in the cache the compile is cheaper, but by how much was lost in the machine's
+# load (398 s for the first 10 steps at a load of 7, against 218 s cold at 2-3); taken as half.
+TRAIN_BREAK_EVEN_STEPS = {"cold": 280, "warm": 140}
+# ... at this much work per step (tokens x width x layers): a compile costs about the same at any size (one
+# graph per kind of layer), while what it saves per step grows with the step's elementwise work.
+TRAIN_REFERENCE_WORK = 64 * 163 * 128 * 6
+
+
+def training_break_even(model_config, tokens_per_step: int, warm: bool) -> int:
+    """The steps after which compiled training has paid back its compile, estimated from the measured
+    recipe (`TRAIN_BREAK_EVEN_STEPS`) scaled by this run's work per step against the recipe's."""
+    work = tokens_per_step * model_config.hidden_size * max(model_config.num_layers, 1)
+    return max(1, math.ceil(TRAIN_BREAK_EVEN_STEPS["warm" if warm else "cold"] * TRAIN_REFERENCE_WORK / work))
+
+
+def training_choice(model_config, *, steps: int, tokens_per_step: int, warm: bool) -> Choice:
+    """Compile a training run's blocks when its `steps` (those this process runs) pay back the compile:
+    `warm` when this run's shape is in the compile cache (`is_warm` with `training_shape`). Not a model
+    above CPU_EAGER_ABOVE_PARAMS (its step is big matmuls compiling does not speed up)."""
+    total = model_config.param_counts()["total"]
+    if total > CPU_EAGER_ABOVE_PARAMS:
+        return Choice(False, f"{total / 1e9:.1f}B parameters: its step is big matmuls compiling does not speed up")
+    need = training_break_even(model_config, tokens_per_step, warm)
+    cache = "this shape is in the compile cache" if warm else "an empty compile cache for this shape"
+    if steps >= need:
+        return Choice(True, f"{steps} steps pay back the compile: {cache}, worth it from ~{need} steps")
+    return Choice(False, f"{steps} steps do not pay back the compile: {cache}, worth it from ~{need} steps; "
+                         f"--compile to compile anyway")
+
+
+def training_shape(*, objective: str, batch: int, length: int, precision: str, lora: bool) -> str:
+    """The label of a training step's shape for the warm marker (`warm_key`, mode "training")."""
+    return f"training {objective}, batch {batch}, length {length}, {precision}{', LoRA' if lora else ''}"
 
 
 def warn_eager(reason: str):
@@ -177,8 +251,8 @@ def warn_eager(reason: str):
 class CompileState:
     """Shared by one model's compiled functions: once one fails to compile, all run eagerly."""
 
-    def __init__(self, model, mode: str):
-        self.model, self.mode = model, mode
+    def __init__(self, model, mode: str, shape: str | None = None):
+        self.model, self.mode, self.shape = model, mode, shape
         self.failed = False
         self.marked = False
         # while set: the one thread that runs the compiled functions (a background compile); others run eagerly
@@ -195,9 +269,10 @@ class CompileState:
             warn_eager(f"compiling failed ({type(error).__name__}: {first})")
 
     def succeeded(self):
-        if not self.marked:
+        """Mark the cache warm for this model and shape, once (not after a compile failed)."""
+        if not self.marked and not self.failed:
             self.marked = True
-            mark_warm(self.model, self.mode)
+            mark_warm(self.model, self.mode, self.shape)
 
 
 # The experts' grid capacity is read from a tensor inside the graph (an unbacked size); without this
@@ -249,7 +324,8 @@ class CompiledOrEager:
         return out
 
 
-def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None, *, background: bool = False):
+def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = None, *, background: bool = False,
+                  shape: str | None = None):
     """torch.compile (inductor) the model's `decode_canvas`, and its encoder's layers (`encode_tokens`) for
     passes without gradients: prompts, committed canvases and autoregressive tokens. Returns the model, which
     holds them as `model.compiled` (`CompiledSteps`) and runs them from its `encode` and `denoise`.
@@ -271,6 +347,8 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
     the graphs need is set only while a compiled call runs (`dynamo_settings`). `background`: only the
     calling thread runs the compiled functions (it warms them up) until `release_compiled`; other threads run
     eagerly meanwhile. A model that says why it runs eagerly (`eager_only`: a split model) stays eager.
+    `shape`: the label of the shape the caller runs (`warm_key`), which the warm marker records once a
+    compiled step ran.
     """
     if model.eager_only is not None:
         print(f"note: {model.eager_only}", file=sys.stderr)
@@ -285,7 +363,7 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
     use_disk_cache()
     options = dict(torch._inductor.list_mode_options(mode))
     options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
-    model.compiled = CompiledSteps(model, mode, options, background)
+    model.compiled = CompiledSteps(model, mode, options, background, shape)
     return model
 
 
@@ -315,7 +393,7 @@ class CompiledSteps:
     `CompiledOrEager`, sharing one `CompileState` and the inductor options, and the fused projection copies
     their graphs read (`FusedLinears`, on a CPU), brought up to date before each call."""
 
-    def __init__(self, model, mode: str, options: dict, background: bool):
+    def __init__(self, model, mode: str, options: dict, background: bool, shape: str | None = None):
         for module in model.modules():
             prepare = getattr(module, "prepare_for_compile", None)  # the routed experts: one custom op
             if prepare is not None:
@@ -329,7 +407,7 @@ class CompiledSteps:
             for mlp in [block.mlp for block in model.layers] + [model.self_conditioning]:
                 mlp.fused_gate_up = FusedLinears(mlp, ("gate_proj", "up_proj"))
                 self.fused.append(mlp.fused_gate_up)
-        self.state = CompileState(model, mode)
+        self.state = CompileState(model, mode, shape)
         if background:  # only this thread runs the compiled functions until `release_compiled`
             self.state.owner = threading.current_thread()
         self.options = options

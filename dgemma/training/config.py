@@ -79,9 +79,12 @@ class TrainConfig:
                             "multiplies bf16 natively (CUDA, AVX-512 CPUs), else fp32", "optimisation", "fp32",
                             choices=("fp32", "bf16", "auto"))
     compile: bool = option("never torch.compile the training step (also DGEMMA_EAGER=1); by default its blocks "
-                           "compile on a CPU in one process (a minute or two once, then faster steps; where "
-                           "compiling is unavailable or fails, eager after one warning line)", "optimisation", True,
-                           flag="--eager")
+                           "compile on a CPU in one process when the run is long enough to pay the compile back "
+                           "(minutes once with an empty cache, less with this shape's entry in it; the start "
+                           "line says the choice and why; where compiling is unavailable or fails, eager after "
+                           "one warning line)", "optimisation", True, flag="--eager")
+    force_compile: bool = option("compile the training step whatever the run's length (not with --eager)",
+                                 "optimisation", False, flag="--compile")
     mixed_precision: str | None = option(
         "FSDP2 MixedPrecisionPolicy (torchrun, 2+ processes): bf16 gathered weights and compute, fp32 gradient "
         "reduction, fp32 sharded master weights and AdamW", "optimisation", None, choices=("bf16",))
@@ -119,7 +122,7 @@ class TrainConfig:
     # fields a resumed run may change: they do not alter the numbers (the global batch fixes the math)
     RESUMABLE_CHANGES = ("out", "resume", "progress", "log_every", "save_every", "keep_checkpoints",
                          "micro_batch_size", "device", "skip_bad_lines", "until", "activation_checkpointing",
-                         "memory_per_rank", "compile")
+                         "memory_per_rank", "compile", "force_compile")
 
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -138,6 +141,7 @@ class TrainConfig:
             (self.mixed_precision is None or world_size > 1,
              "--mixed-precision is FSDP2's policy and needs torchrun with 2+ processes; one process: --precision bf16"),
             (self.steps >= 1, "--steps must be >= 1"),
+            (self.compile or not self.force_compile, "--eager and --compile exclude each other"),
             (self.until is None or 1 <= self.until <= self.steps, "--until must be between 1 and --steps"),
             (self.augment is None or self.augment in AUGMENTATIONS,
              f"--augment must be one of {', '.join(AUGMENTATIONS)}, not {self.augment!r}"),

@@ -26,7 +26,7 @@ import torch
 
 from dgemma import devices
 from dgemma.config import ConfigError
-from dgemma.model.compilation import CPU_EAGER_ABOVE_PARAMS
+from dgemma.model import compilation
 from dgemma.training import distributed as D
 from dgemma.training.config import TrainConfig
 from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
@@ -34,6 +34,7 @@ from dgemma.training.export import export_adapter, export_checkpoint
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
 from dgemma.training.model_setup import (
     base_dtype,
+    TRAINING_MODE,
     compile_for_training,
     configure_trainable,
     resolve_model_config,
@@ -123,21 +124,23 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
         # fp32 accumulation): ~8x an H100's fp32 rate, the usual choice for fp32 training on CUDA
         torch.set_float32_matmul_precision("high")
     model, optimizer, trainable = _model_and_optimizer(config, model_config, eos_id, env)
-    policy = compile_policy(config, env, model_config)
-    compiled = policy == "compile" and compile_for_training(model)
+    shape, tokens_per_step = _step_shape(config, env, model_config, dataset)
+    stop = config.until or config.steps
+    choice = compile_policy(config, env, model, steps=stop - (saved["step"] if saved else 0), shape=shape,
+                            tokens_per_step=tokens_per_step)
+    compiled = compile_for_training(model, shape) if choice else None
     numerics = ("FSDP bf16 mixed precision" if config.mixed_precision else
                 "bf16 autocast" if config.precision == "bf16" else "fp32")
     say(f"training {trainable:,} of {model_config.param_counts()['total']:,} parameters "
         f"({config.objective}{', LoRA' if config.lora else ''}) on {len(dataset):,} examples, "
         f"{env.world_size} process(es) on {env.device.type}, "
-        f"{'compiled' if compiled else 'eager' if policy == 'compile' else f'eager ({policy})'}, {numerics}")
+        f"{choice if compiled or not choice else 'eager (compiling is unavailable)'}, {numerics}")
 
     metrics, start_step = _open_run(config, env, out, model, optimizer, latest, saved, say)
     G = config.batch_size
     floor = config.min_lr if config.min_lr is not None else config.lr / 10
     stream = ExampleStream(len(dataset), config.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    stop = config.until or config.steps
     progress = Progress(stop, start_step, enabled=config.progress and env.is_main)
     # summed over the log window on the device (loss, diffusion, ar, tokens): read at log steps only
     window = torch.zeros(4, dtype=torch.float64, device=env.device)
@@ -156,6 +159,8 @@ def _train(config: TrainConfig, env: D.DistEnv) -> TrainResult:
             window += sums
             window_steps += 1
             done = step + 1
+            if compiled is not None and done == start_step + 1:
+                compiled.succeeded()  # this shape's compiled step is in the cache now (unless compiling failed)
             if done % config.log_every == 0 or done == stop:
                 summed = D.all_reduce_sum(window, env).tolist()  # the window's one read
                 seconds = time.perf_counter() - window_t0
@@ -306,21 +311,32 @@ def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, env: D.
     return model, _optimizer(model, config), trainable
 
 
-def compile_policy(config: TrainConfig, env: D.DistEnv, model_config) -> str:
-    """"compile" or why the run stays eager (`--eager`, then DGEMMA_EAGER=1, then where it pays). Compiled
-    by default on a CPU, one process, for models up to
-    a billion parameters (as generation: above that a step is big matmuls compiling does not speed up).
-    Not measured elsewhere, so eager there: on CUDA the routed experts are an opaque op in a graph, with
-    no backward; under FSDP or activation checkpointing the regions' interplay with compiling is untested."""
+def compile_policy(config: TrainConfig, env: D.DistEnv, model, *, steps: int, shape: str,
+                   tokens_per_step: int) -> compilation.Choice:
+    """Whether to compile the blocks, and why (`--eager`, then DGEMMA_EAGER=1, then where compiled training
+    is measured, then `--compile`, then whether `steps` pay the compile back: `compilation.training_choice`,
+    which asks whether this shape is in the compile cache). Measured on one CPU process only, so eager
+    elsewhere: on CUDA the routed experts are an opaque op in a graph, with no backward; under FSDP or
+    activation checkpointing the regions' interplay with compiling is untested."""
     if not config.compile:
-        return "--eager"
+        return compilation.Choice(False, "--eager")
     if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
-        return "DGEMMA_EAGER"
+        return compilation.Choice(False, "DGEMMA_EAGER is set")
     if env.device.type != "cpu" or env.distributed or config.activation_checkpointing:
-        return "compiled training is measured on one CPU process only"
-    if model_config.param_counts()["total"] > CPU_EAGER_ABOVE_PARAMS:
-        return "above a billion parameters"
-    return "compile"
+        return compilation.Choice(False, "compiled training is measured on one CPU process only")
+    if config.force_compile:
+        return compilation.Choice(True, "--compile")
+    return compilation.training_choice(model.config, steps=steps, tokens_per_step=tokens_per_step,
+                                       warm=compilation.is_warm(model, TRAINING_MODE, shape))
+
+
+def _step_shape(config: TrainConfig, env: D.DistEnv, model_config, dataset) -> tuple[str, int]:
+    """(the label of this run's step shape for the compile cache, the tokens one process steps on)."""
+    micro = config.micro_batch_size or config.batch_size // env.world_size
+    length = dataset.longest_row(model_config.canvas_length)
+    shape = compilation.training_shape(objective=config.objective, batch=micro, length=length,
+                                       precision=config.mixed_precision or config.precision, lora=config.lora)
+    return shape, config.batch_size // env.world_size * length
 
 
 def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, stream: ExampleStream, step: int,

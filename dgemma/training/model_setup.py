@@ -123,7 +123,10 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
     return n
 
 
-def compile_for_training(model) -> bool:
+TRAINING_MODE = "training"  # the warm marker's mode for compiled training (`compilation.warm_key`)
+
+
+def compile_for_training(model, shape: str | None = None):
     """torch.compile the parts of every block that are pure tensor functions, forward and backward: the
     attention's projections (q/k/v, their norms, RoPE) and the feed-forward half (dense MLP, router,
     routed experts, six norms). Training on a CPU spends most of a step in their elementwise ops, each a
@@ -131,22 +134,23 @@ def compile_for_training(model) -> bool:
     few loops per region (benchmarks/README.md: where the time goes). The attention itself and the cache
     bookkeeping around it stay eager (they hold host-side state a graph would specialise on per layer).
 
-    Returns whether the model compiles; where compiling is unavailable (no C++ compiler, no triton), it
-    stays eager after one warning line, as does the whole model once a compile fails (CompiledOrEager).
+    Returns the blocks' `CompileState` (whose `succeeded()` marks `shape`, the step's label, warm in the
+    compile cache once a step ran), or None where compiling is unavailable (no C++ compiler, no triton): the
+    model stays eager after one warning line, as does the whole model once a compile fails (CompiledOrEager).
     """
     from dgemma.model import compilation
 
     reason = compilation.unavailable_reason(model.device)
     if reason is not None:
         compilation.warn_eager(reason)
-        return False
+        return None
     compilation.use_disk_cache()
     # one graph per (layer kind, with or without gradients, sequence length): a few more than the default 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    state = compilation.CompileState(model, "training")
+    state = compilation.CompileState(model, TRAINING_MODE, shape)
     for block in model.layers:
         for experts in (m for m in block.modules() if isinstance(m, Experts)):
             experts.trace_grid = False  # a step's thousands of tokens route unevenly: see dgemma.model.experts
         block.feed_forward = compilation.CompiledOrEager(block.feed_forward, state)
         block.self_attn.project = compilation.CompiledOrEager(block.self_attn.project, state)
-    return True
+    return state
