@@ -134,6 +134,56 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
             assert err < 1e-5, f"{quantize} {name}: {err}"
 
 
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory):
+    """The split model's shapes with a 973-token vocabulary (prime: no number of ranks divides it), with a
+    tokenizer for the command line."""
+    from conftest import write_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("odd-vocab-hf")
+    make_hf_model("alternating", seed=5, text={**SPLIT_TEXT, "vocab_size": 973}).save_pretrained(folder)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+def _odd_vocab_passes(rank, folder, out):
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    model = load_split_model(folder, join("cpu"))
+    assert model.embed_tokens.weight.shape[0] == 487  # 973 padded to 974, over 2 ranks
+    if rank == 1:
+        assert model.embed_tokens.weight[-1].abs().max() == 0  # the padding row
+    results = passes(model)
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_path):
+    """973 tokens over 2 ranks (padded to 974, the padded logit dropped): encoder, decoder and self-conditioned
+    decoder logits are (..., 973) and within 1e-4 of one process's, relative to the largest logit; and
+    `dgemma generate --tensor-parallel 2` runs on it."""
+    import subprocess
+    import sys
+
+    from dgemma.model import load_model
+
+    out = tmp_path / "odd.pt"
+    spawn_ranks(_odd_vocab_passes, 2, odd_vocab_checkpoint, out)
+    split = torch.load(out)
+    for name, logits in passes(load_model(odd_vocab_checkpoint)).items():
+        assert split[name].shape == logits.shape and logits.shape[-1] == 973
+        err = (split[name] - logits).abs().max().item() / logits.abs().max().item()
+        assert err < 1e-4, f"{name}: {err}"
+    done = subprocess.run([sys.executable, "-m", "dgemma", "generate", "--model", str(odd_vocab_checkpoint),
+                           "--prompt", "hello world", "--tensor-parallel", "2", "--json", "--seed", "3",
+                           "--max-new-tokens", "16", "--steps", "4"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tokens = json.loads(done.stdout.splitlines()[-1])["tokens"]
+    assert tokens and all(0 <= t < 973 for t in tokens)
+
+
 def staggered_turns(engine, submit, step):
     """A request starts; two steps later a 120-token prompt arrives, read in chunks beside it; then a follow-up
     of that prompt and its answer (the prefix cache gives it the first blocks). Returns the tokens and the

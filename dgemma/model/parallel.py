@@ -11,10 +11,12 @@ Per layer, after transformers' `base_model_tp_plan` / `base_model_ep_plan` for D
                  (token, choice) entries of its own experts. The dense MLP's and the experts' partial
                  sums go through ONE all-reduce per layer (stacked), because each is normed before they
                  are added.
-  vocabulary  -- the tied embedding is split by rows (rank r: tokens [r V/N, (r+1) V/N)): a lookup zeroes
-                 the tokens other ranks hold and all-reduces (vLLM's VocabParallelEmbedding), the LM head
-                 all-gathers the ranks' logits, and the self-conditioning soft embedding multiplies each
-                 rank's columns of the probabilities by its rows and all-reduces.
+  vocabulary  -- the tied embedding is split by rows, padded to a multiple of N (Vp = N ceil(V / N); rank r:
+                 tokens [r Vp/N, (r+1) Vp/N), the rows past V zero): a lookup zeroes the tokens other ranks
+                 hold and all-reduces (vLLM's VocabParallelEmbedding), the LM head all-gathers the ranks'
+                 logits and drops the padded ones (logits are (..., V): nothing past V is ever sampled,
+                 scored or counted), and the self-conditioning soft embedding multiplies each rank's
+                 columns of the probabilities by its rows and all-reduces. Any vocabulary splits.
 Replicated: norms, router, the self-conditioning MLP (outside the plans' `layers.*`), the vision tower.
 
 The collectives are hand-written c10d calls, each named where it runs, rather than DTensor's
@@ -112,8 +114,7 @@ def check_split(config: ModelConfig, ranks: int, quantization: str | None = None
         return
     c = config
     needs = [(c.num_heads, "attention heads (num_attention_heads)"),
-             (c.num_experts, "routed experts (num_experts)"),
-             (c.vocab_size, "the vocabulary (vocab_size)")]
+             (c.num_experts, "routed experts (num_experts)")]  # the vocabulary is padded (`vocab_rows`)
     for count, what in needs:
         if count % ranks:
             raise SplitError(f"--tensor-parallel {ranks} does not divide the {count} {what}")
@@ -135,10 +136,16 @@ def check_split(config: ModelConfig, ranks: int, quantization: str | None = None
         raise SplitError(f"the dense MLP's {c.intermediate_size} columns{how} cannot split over {ranks} ranks")
 
 
+def vocab_rows(vocab_size: int, ranks: int) -> int:
+    """The embedding rows each rank holds: the vocabulary padded to a multiple of `ranks`, over `ranks`."""
+    return -(-vocab_size // ranks)
+
+
 def parameter_slices(config: ModelConfig, ranks: int, rank: int, quantization: str | None = None) -> dict[str, Slice]:
     """Our dense parameter name -> the slice rank `rank` holds; names not listed are replicated."""
     inner = config.intermediate_size
-    out: dict[str, Slice] = {"embed_tokens.weight": even(0, rank, ranks, config.vocab_size)}
+    rows = vocab_rows(config.vocab_size, ranks)  # the last rank's slice may reach past V (its padding rows)
+    out: dict[str, Slice] = {"embed_tokens.weight": Slice(0, rank * rows, (rank + 1) * rows, config.vocab_size)}
     start, stop = mlp_slice(inner, ranks, rank, quantization)
     for i in range(config.num_layers):
         p, d = f"layers.{i}.", config.layer_head_dim(i)
@@ -181,10 +188,14 @@ class TensorParallel:
         dist.all_reduce(t, group=self.group)
         return t
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim."""
+    def all_gather_last(self, t: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim; with `keep`,
+        only the first `keep` of those columns (the padded vocabulary's real tokens), in the one copy."""
         parts = [torch.empty_like(t) for _ in range(self.ranks)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
+        if keep is not None:
+            n = t.shape[-1]
+            parts = [p[..., : max(0, keep - i * n)] for i, p in enumerate(parts)]
         return torch.cat(parts, dim=-1)
 
 
@@ -247,13 +258,15 @@ class SplitDiffusionGemma(DiffusionGemma):
         logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # (..., V/N) this rank's tokens
         cap = self.config.final_logit_softcapping
         logits = torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap  # cap tanh(z / cap), see DiffusionGemma.head
-        return self.tp.all_gather_last(logits)  # collective: all-gather of the vocabulary slices
+        # collective: all-gather of the vocabulary slices, the padded rows' logits dropped: (..., V)
+        return self.tp.all_gather_last(logits, keep=self.config.vocab_size)
 
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
-        rows = self.embed_tokens.weight.shape[0]
-        ours = probs[..., self.vocab_start : self.vocab_start + rows].to(self.dtype)
+        """probs (..., V) -> (..., H): this rank's columns (fewer than its rows on the rank holding the padding)
+        times the matching rows of its table."""
+        ours = probs[..., self.vocab_start : self.vocab_start + self.embed_tokens.weight.shape[0]].to(self.dtype)
         # collective: all-reduce of each rank's columns of the probabilities times its rows of the table
-        return self.tp.all_reduce(ours @ self.embed_tokens.weight) * self.embed_scale()
+        return self.tp.all_reduce(ours @ self.embed_tokens.weight[: ours.shape[-1]]) * self.embed_scale()
 
     @property
     def cache_config(self) -> ModelConfig:
@@ -321,7 +334,7 @@ def split_model(model: DiffusionGemma, tp: TensorParallel, quantization: str | N
         with torch.device(block.experts.gate_up_proj.device):  # the meta device: nothing allocated
             block.experts = Experts(config.replace(num_experts=experts)).to(block.experts.gate_up_proj.dtype)
         block.__class__, block.tp, block.first_expert = SplitBlock, tp, r * experts
-    rows = config.vocab_size // N
+    rows = vocab_rows(config.vocab_size, N)
     old = model.embed_tokens.weight
     model.embed_tokens = nn.Embedding(rows, config.hidden_size, device=old.device, dtype=old.dtype)
     model.__class__, model.tp, model.local_config, model.vocab_start = SplitDiffusionGemma, tp, mine, r * rows
