@@ -267,7 +267,8 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
 
 
 def served_answers(client) -> list:
-    """A chat answer, a JSON-schema answer and a tool call, each seeded."""
+    """A chat answer, a JSON-schema answer and a tool call, each seeded; then a chat's follow-up turn, which
+    takes its earlier turns from the prefix cache (on by default): its answer and the cached tokens it reports."""
     from test_server import MODEL
     from test_server_tools import WEATHER
 
@@ -281,13 +282,21 @@ def served_answers(client) -> list:
                                           tool_choice="required")
     json.loads(answer.choices[0].message.content)  # valid JSON, as the schema constrains it
     assert call.choices[0].message.tool_calls[0].function.name == "get_weather"
+    turn = [{"role": "user", "content": "hello world, the cat is red and the dog is blue " * 3}]
+    first = client.chat.completions.create(model=MODEL, messages=turn, seed=6, max_tokens=16)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "yes"}]
+    follow_up = client.chat.completions.create(model=MODEL, messages=turn, seed=7, max_tokens=16)
+    cached = follow_up.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32, follow_up.usage  # the first turn's whole blocks at least
     return [chat.choices[0].message.content, answer.choices[0].message.content,
-            [(c.function.name, c.function.arguments) for c in call.choices[0].message.tool_calls]]
+            [(c.function.name, c.function.arguments) for c in call.choices[0].message.tool_calls],
+            follow_up.choices[0].message.content, cached]
 
 
 def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_model_dir):
-    """Through the openai client: a chat, a JSON-schema answer and a tool call from `dgemma serve
-    --tensor-parallel 2` (dgemma starts the ranks itself) equal one process's. Then rank 1 is killed: rank 0
+    """Through the openai client: a chat, a JSON-schema answer, a tool call and a follow-up turn served from
+    the prefix cache (its default budget) from `dgemma serve --tensor-parallel 2` (dgemma starts the ranks
+    itself) equal one process's, cached tokens too. Then rank 1 is killed: rank 0
     answers 503 to new work, and the launcher ends every rank within 60 s with one line naming rank 1."""
     from test_server import ServerProcess
 
