@@ -184,6 +184,44 @@ def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_pat
     assert tokens and all(0 <= t < 973 for t in tokens)
 
 
+def _compiled_and_eager(rank, folder, out):
+    from dgemma.engine import Engine
+    from dgemma.model.compilation import compile_model, is_compiled
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    model = load_split_model(folder, join("cpu"))
+    # one canvas from prompts of one length: one graph of each kind (a compile costs minutes on two cores)
+    sampling = model.sampling_config.replace(max_new_tokens=model.config.canvas_length, max_denoising_steps=4,
+                                             eos_token_ids=(10**6,))
+    prompts, seeds = [[5, 6, 7, 8], [9, 10, 11, 12]], [3, 4]
+
+    def tokens():
+        return [r.tokens for r in Engine(model, max_batch=1, max_length=64).generate(prompts, sampling, seeds=seeds)]
+
+    eager = tokens()
+    compile_model(model, "default", cpp_wrapper=False)  # the cheapest compile: no autotuning
+    compiled = tokens()
+    assert is_compiled(model)
+    if rank == 0:
+        torch.save({"eager": eager, "compiled": compiled}, out)
+
+
+@pytest.mark.slow  # two ranks compile the tiny model's step (about a minute on two cores)
+def test_compiled_split_step_equals_the_eager_one(split_checkpoint, tmp_path):
+    """Every rank compiles the same graph (collectives traced in, a rank's experts one opaque op): per seed the
+    compiled split engine's tokens are the eager split engine's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dgemma.model.network import DiffusionGemma
+
+    out = tmp_path / "compiled.pt"
+    spawn_ranks(_compiled_and_eager, 2, split_checkpoint, out)
+    got = torch.load(out)
+    assert got["compiled"] == got["eager"] and got["eager"][0] != got["eager"][1]
+    assert not _debug_get_cache_entry_list(DiffusionGemma.decode_canvas.__code__)  # compiled in the ranks, not here
+
+
 def staggered_turns(engine, submit, step):
     """A request starts; two steps later a 120-token prompt arrives, read in chunks beside it; then a follow-up
     of that prompt and its answer (the prefix cache gives it the first blocks). Returns the tokens and the

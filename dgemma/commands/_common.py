@@ -147,10 +147,12 @@ def compile_mode(args, model) -> str:
 
 
 def maybe_compile(args, model):
-    """`compile_model(model)` when the policy says so (see `wants_compile`); the model either way."""
+    """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
+    every rank, which compile alike); the model either way."""
+    from dgemma.commands._tensor_parallel import agree
     from dgemma.model.compilation import compile_model
 
-    if wants_compile(args, model):
+    if agree(args, lambda: wants_compile(args, model)):
         compile_model(model, compile_mode(args, model))
     return model
 
@@ -226,11 +228,12 @@ def load_from_args(args, *, compile: bool = True):
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
-    if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices, eager
+    if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices
         from dgemma.model.parallel_load import load_split_model
 
-        return load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
-    model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
+        model = load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
+    else:
+        model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
     model = apply_int8_compute(args, model)
     return maybe_compile(args, model) if compile else model
 

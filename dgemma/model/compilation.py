@@ -110,8 +110,10 @@ def unavailable_reason(device) -> str | None:
 def warm_key(model, mode: str) -> str:
     """What the compiled code depends on, hashed."""
     config = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else repr(model.config)
+    tp = getattr(model, "tp", None)  # a rank of a split model compiles its own part
     what = dict(config=config, dtype=str(model.dtype), device=model.device.type, mode=mode,
-                quantization=model.quantization, torch=torch.__version__)
+                quantization=model.quantization, torch=torch.__version__,
+                **({"rank": f"{tp.rank}/{tp.ranks}"} if tp is not None else {}))
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -270,11 +272,9 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
     one warning line; `is_compiled` then says False. No torch setting is left changed: the one dynamo setting
     the graphs need is set only while a compiled call runs (`dynamo_settings`). `background`: only the
     calling thread runs the compiled functions (it warms them up) until `release_compiled`; other threads run
-    eagerly meanwhile. A model that says why it runs eagerly (`eager_only`: a split model) stays eager.
+    eagerly meanwhile. A rank of a split model (dgemma.model.parallel) compiles its part with the collectives
+    in the graph; every rank must compile alike and run its compiled calls when the others do.
     """
-    if model.eager_only is not None:
-        print(f"note: {model.eager_only}", file=sys.stderr)
-        return model
     if model.compiled is not None:  # compiled already (or failed to: then it stays eager)
         return model
     mode = mode or default_mode(model.device)
@@ -333,6 +333,9 @@ class CompiledSteps:
         if background:  # only this thread runs the compiled functions until `release_compiled`
             self.state.owner = threading.current_thread()
         self.options = options
+        # a rank of a split model: calls that compile wait longer for the other ranks (parallel.py)
+        tp = getattr(model, "tp", None)
+        self.around_call = tp.compiled_call if tp is not None else contextlib.nullcontext
         # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
         self._decoder = self.function(model.decode_canvas, mark=True)
         self._encoder = self.function(model.encode_tokens)
@@ -349,12 +352,14 @@ class CompiledSteps:
     def decode_canvas(self, *args):
         """`DiffusionGemma.decode_canvas`, compiled."""
         self.refresh_fused()
-        return self._decoder(*args)
+        with self.around_call():
+            return self._decoder(*args)
 
     def encode_tokens(self, *args):
         """`DiffusionGemma.encode_tokens`, compiled."""
         self.refresh_fused()
-        return self._encoder(*args)
+        with self.around_call():
+            return self._encoder(*args)
 
 
 class FusedLinears:

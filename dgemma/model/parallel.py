@@ -24,7 +24,10 @@ The collectives are hand-written c10d calls, each named where it runs, rather th
 the shards (`dgemma.model.parallel_load`) and quantises it into dgemma's int8/int4 modules, which are
 not DTensor-aware, and a DTensor's per-op dispatch would sit on each of a denoising step's few hundred
 small ops. The process group comes from a DeviceMesh (`torch.distributed.device_mesh.init_device_mesh`).
-Split models run eagerly (`compile_model` says so once).
+Under torch.compile (`dgemma.model.compilation.compile_model`, on every rank alike) the same calls are
+torch's functional collectives, which dynamo traces into the graph, and a rank's share of the routed
+experts is one opaque op (which of its entries fall on this rank's experts depends on the routing's values);
+every rank compiles the same graph, so the compiled ranks meet at the same collectives as eager ones do.
 
 The split keeps every module and parameter name, so a checkpoint's keys map one to one onto slices; the
 split classes below are the network's own classes with forwards that add the collectives, swapped in
@@ -33,12 +36,15 @@ place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard`
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
 
 from dgemma.config import ModelConfig
 from dgemma.model.experts import Experts
@@ -50,6 +56,9 @@ from dgemma.model.quant import GROUP_SIZE
 # engine's ranks meet at least every few seconds even when idle (dgemma.engine.lockstep), so this bounds
 # how long a failure goes unnoticed.
 DEFAULT_TIMEOUT_S = 30.0
+# ... except in a compiled call that compiled: the ranks compile the same graph, but not in the same time,
+# and the first to finish waits in the graph's first collective for the others (`TensorParallel.compiled_call`)
+COMPILE_TIMEOUT_S = 3600.0
 
 
 class SplitError(ValueError):
@@ -176,23 +185,47 @@ def stored_slice(name: str, slices: dict[str, Slice]) -> Slice | None:
 
 
 # -- the collectives ----------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class TensorParallel:
     """This rank's place in the split: its process group, rank and the number of ranks."""
 
     group: dist.ProcessGroup
     rank: int
     ranks: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    patient: bool = False  # the group's timeout is COMPILE_TIMEOUT_S until the compiled call ends
+
+    def set_timeout(self, seconds: float):
+        from datetime import timedelta
+
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), self.group)
+
+    @contextlib.contextmanager
+    def compiled_call(self):
+        """Around a call of the compiled step: when dynamo compiles in it (`_compiling_started` made the
+        group patient), its collectives wait up to COMPILE_TIMEOUT_S for ranks that compile slower; the
+        group's own timeout is back once the call is over."""
+        try:
+            yield
+        finally:
+            if self.patient:
+                self.patient = False
+                self.set_timeout(self.timeout_s)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced into the compiled graph (a new tensor, not in place)
+            return funcol.all_reduce(t, "sum", self.group)
         dist.all_reduce(t, group=self.group)
         return t
 
     def all_gather_last(self, t: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim; with `keep`,
         only the first `keep` of those columns (the padded vocabulary's real tokens), in the one copy."""
-        parts = [torch.empty_like(t) for _ in range(self.ranks)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        if torch.compiler.is_compiling():  # traced into the compiled graph: gathered along dim 0, then split
+            parts = list(funcol.all_gather_tensor(t.contiguous(), 0, self.group).chunk(self.ranks))
+        else:
+            parts = [torch.empty_like(t) for _ in range(self.ranks)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
         if keep is not None:
             n = t.shape[-1]
             parts = [p[..., : max(0, keep - i * n)] for i, p in enumerate(parts)]
@@ -218,7 +251,11 @@ class SplitBlock(Block):
         flat = x.reshape(-1, x.shape[-1])  # (n, H)
         dense = self.mlp(self.pre_feedforward_layernorm(x)).reshape_as(flat)  # partial sum over ranks
         weights, experts = self.router(flat)  # replicated: every rank routes alike
-        routed = self._local_experts(self.pre_feedforward_layernorm_2(flat), weights, experts)  # partial sum
+        normed = self.pre_feedforward_layernorm_2(flat)
+        if torch.compiler.is_compiling():  # one opaque op in the graph (its shapes follow the routing)
+            routed = split_local_experts(self.op_key, normed, weights, experts)
+        else:
+            routed = self._local_experts(normed, weights, experts)  # partial sum
         # collective: ONE all-reduce of the dense MLP's and the experts' partial sums, stacked
         dense, routed = self.tp.all_reduce(torch.stack([dense, routed])).unbind(0)
         dense = self.post_feedforward_layernorm_1(dense.view_as(x))
@@ -239,13 +276,33 @@ class SplitBlock(Block):
         return out
 
 
+    def prepare_for_compile(self):
+        """Called by `compile_model` before tracing: the key `split_local_experts` finds this block by."""
+        _SPLIT_BLOCKS[id(self)] = self
+        self.op_key = id(self)
+
+
+# Under torch.compile a rank's routed experts run as one custom op, found through this registry (as
+# dgemma.model.experts does for a whole model's experts).
+_SPLIT_BLOCKS: "weakref.WeakValueDictionary[int, SplitBlock]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("dgemma::split_local_experts", mutates_args=())
+def split_local_experts(key: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    return _SPLIT_BLOCKS[key]._local_experts(x, weights, experts)
+
+
+@split_local_experts.register_fake
+def _(key, x, weights, experts):
+    return torch.empty_like(x)
+
+
 class SplitDiffusionGemma(DiffusionGemma):
     """The network over this rank's slices; logits come out whole (all-gathered) on every rank."""
 
     tp: TensorParallel
     local_config: ModelConfig  # the heads this rank holds: what its KV cache is shaped by
     vocab_start: int
-    eager_only = "a tensor-parallel model runs eagerly (its collectives are not compiled)"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.embed_tokens.weight.shape[0]
@@ -255,7 +312,11 @@ class SplitDiffusionGemma(DiffusionGemma):
         return self.tp.all_reduce(x) * self.embed_scale()  # collective: all-reduce of the vocabulary slices
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # (..., V/N) this rank's tokens
+        normed, table = self.norm(hidden), self.int8_table  # int8 codes of this rank's rows (--cpu-int8-compute)
+        if table is not None and not torch.is_grad_enabled():
+            logits = table.logits(normed)  # (..., Vp/N) this rank's tokens
+        else:
+            logits = F.linear(normed, self.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
         logits = torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap  # cap tanh(z / cap), see DiffusionGemma.head
         # collective: all-gather of the vocabulary slices, the padded rows' logits dropped: (..., V)
@@ -264,14 +325,30 @@ class SplitDiffusionGemma(DiffusionGemma):
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """probs (..., V) -> (..., H): this rank's columns (fewer than its rows on the rank holding the padding)
         times the matching rows of its table."""
-        ours = probs[..., self.vocab_start : self.vocab_start + self.embed_tokens.weight.shape[0]].to(self.dtype)
+        rows = self.embed_tokens.weight.shape[0]
+        ours = probs[..., self.vocab_start : self.vocab_start + rows]
+        if self.int8_table is not None and not torch.is_grad_enabled():  # the codes cover the padding rows too
+            part = self.int8_table.soft_embedding(F.pad(ours, (0, rows - ours.shape[-1])), self.dtype)
+        else:
+            part = ours.to(self.dtype) @ self.embed_tokens.weight[: ours.shape[-1]]
         # collective: all-reduce of each rank's columns of the probabilities times its rows of the table
-        return self.tp.all_reduce(ours @ self.embed_tokens.weight[: ours.shape[-1]]) * self.embed_scale()
+        return self.tp.all_reduce(part) * self.embed_scale()
 
     @property
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
 
+
+
+_JOINED: "weakref.WeakSet[TensorParallel]" = weakref.WeakSet()
+
+
+def _compiling_started(*_):  # dynamo passes its callback trigger
+    """dynamo's compile-start callback: this process's split groups wait for slower compiling ranks."""
+    for tp in list(_JOINED):
+        if not tp.patient:
+            tp.patient = True
+            tp.set_timeout(COMPILE_TIMEOUT_S)
 
 
 def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
@@ -286,7 +363,11 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    return TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size())
+    tp = TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size(), timeout_s)
+    if not _JOINED:
+        torch._dynamo.callback.callback_handler.register_start_callback(_compiling_started)
+    _JOINED.add(tp)
+    return tp
 
 
 def describe_failure(error: BaseException) -> str:
