@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import make_hf_model
+from conftest import make_hf_model, wait_until
 from dgemma.config import SamplingConfig
 from dgemma.model import PreviousStep
 
@@ -354,7 +354,8 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
     """Through the openai client: a chat, a JSON-schema answer, a tool call and a follow-up turn served from
     the prefix cache (its default budget) from `dgemma serve --tensor-parallel 2` (dgemma starts the ranks
     itself) equal one process's, cached tokens too. Then rank 1 is killed: rank 0
-    answers 503 to new work, and the launcher ends every rank within 60 s with one line naming rank 1."""
+    answers 503 to new work, and the launcher ends within 60 s with one line naming rank 1, every rank's process
+    gone (within 90 s)."""
     from test_server import ServerProcess
 
     one = ServerProcess(gemma4_chat_model_dir)
@@ -365,7 +366,8 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
     split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2")
     try:
         assert served_answers(split.client()) == expected
-        os.kill(_rank_pid(split.pid, 1), signal.SIGKILL)
+        ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
+        os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
         statuses = set()
         while split.proc.poll() is None and time.monotonic() - killed < 60:
@@ -377,11 +379,57 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
             time.sleep(0.2)
         code = split.proc.wait(5)
         errors = split.proc.stderr.read()
+        wait_until(lambda: all(map(gone, ranks)), 90 - (time.monotonic() - killed), "every rank gone")
     finally:
         split.stop()
     assert code not in (0, None) and time.monotonic() - killed < 60
     assert 503 in statuses and 200 not in statuses, statuses
     assert "dgemma: rank 1 of 2 ended (signal SIGKILL); the other ranks were stopped" in errors, errors
+    assert "Traceback" not in errors, errors
+
+
+def gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_dir):
+    """Rank 1 stopped (SIGSTOP: alive, silent) under `dgemma serve --tensor-parallel 2 --rank-timeout 5`: rank 0's
+    next collective times out, it answers 503 (never 200) and says in one line that rank 1 went silent; every
+    process is gone soon after, the stopped one too."""
+    from test_server import ServerProcess
+
+    split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2", "--rank-timeout", "5")
+    try:
+        ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
+        time.sleep(2 * 1.0)  # a heartbeat or two from every rank
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        statuses = set()
+        while split.proc.poll() is None and time.monotonic() - stopped < 90:
+            try:
+                statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
+                                        timeout=15).status_code)
+            except httpx.TransportError:
+                statuses.add("refused")
+            time.sleep(0.2)
+        code = split.proc.wait(5)
+        ended = time.monotonic() - stopped
+        errors = split.proc.stderr.read()
+        wait_until(lambda: all(map(gone, ranks)), 30, "every rank gone")
+    finally:
+        for pid in ranks if "ranks" in locals() else ():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        split.stop()
+    assert code not in (0, None) and ended < 60, (code, ended)
+    assert 503 in statuses and 200 not in statuses, statuses
+    named = [line for line in errors.splitlines() if "rank 1 of 2 silent for" in line]
+    assert len(named) == 1 and "(hung or stopped)" in named[0], errors
+    assert "dgemma: rank 0 of 2 ended" not in errors, errors  # the launcher adds no line blaming rank 0
     assert "Traceback" not in errors, errors
 
 

@@ -82,6 +82,8 @@ def _check_before_launch(args, ranks: int):
 
 def _launch(ranks: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from dgemma.engine.lockstep import LOST_RANKS_EXIT
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -97,6 +99,8 @@ def _launch(ranks: int, argv: list[str]) -> int:
         # the rank that failed first, not those the launcher then stopped (SIGTERM)
         rank, failure = min(e.failures.items(), key=lambda f: (f[1].signal_name() == "SIGTERM", f[1].timestamp, f[0]))
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        if failure.exitcode == LOST_RANKS_EXIT:  # rank 0 said which rank went silent, in its own line
+            return 1
         print(f"dgemma: rank {rank} of {ranks} ended ({how}); the other ranks were stopped", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:  # SIGTERM / SIGINT to dgemma: the launcher stopped the ranks, as asked

@@ -25,7 +25,11 @@ import torch.distributed as dist
 
 from dgemma.engine.engine import Engine
 from dgemma.engine.scheduler import QueueFull
-from dgemma.model.parallel import describe_failure
+
+
+# The exit code of a rank 0 that lost the other ranks and has said which in its own line (the launcher then
+# adds none: dgemma/commands/_tensor_parallel.py)
+LOST_RANKS_EXIT = 3
 
 
 class RanksLost(RuntimeError):
@@ -94,7 +98,7 @@ class LockstepEngine(Engine):
         try:
             super().step()
         except Exception as e:  # one rank's failure leaves the ranks out of step: none can go on
-            raise RanksLost(f"rank {self.tp.rank}: the step failed ({describe_failure(e)})") from None
+            raise RanksLost(f"rank {self.tp.rank}: the step failed ({self.tp.describe_lost(e)})") from None
         return True
 
     def follow(self):
@@ -118,7 +122,7 @@ class LockstepEngine(Engine):
         try:
             dist.broadcast_object_list(box, src=0, group=self.tp.group)
         except (RuntimeError, dist.DistBackendError) as e:
-            raise RanksLost(f"rank {self.tp.rank}: lost the other ranks ({describe_failure(e)})") from None
+            raise RanksLost(f"rank {self.tp.rank}: lost the other ranks ({self.tp.describe_lost(e)})") from None
         return box[0]
 
 

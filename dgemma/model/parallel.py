@@ -37,6 +37,8 @@ place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard`
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -59,6 +61,10 @@ DEFAULT_TIMEOUT_S = 30.0
 # ... except in a compiled call that compiled: the ranks compile the same graph, but not in the same time,
 # and the first to finish waits in the graph's first collective for the others (`TensorParallel.compiled_call`)
 COMPILE_TIMEOUT_S = 3600.0
+# Every rank stamps the group's store with the time this often from a thread of its own (`_heartbeat`), so that
+# when a collective fails the ranks can say which rank went silent (a hung or stopped process stamps nothing).
+HEARTBEAT_S = 1.0
+SILENT_AFTER_S = 5.0
 
 
 class SplitError(ValueError):
@@ -199,6 +205,27 @@ class TensorParallel:
         from datetime import timedelta
 
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), self.group)
+
+    def silent_ranks(self) -> list[tuple[int, float]]:
+        """(rank, seconds since its last stamp) of the ranks silent for more than SILENT_AFTER_S; [] when the
+        store cannot say (it lived in a rank that is gone)."""
+        try:
+            store, now, out = dist.distributed_c10d._get_default_store(), time.time(), []
+            for rank in range(self.ranks):
+                key = f"dgemma/alive/{rank}"
+                if rank != self.rank and store.check([key]):
+                    silent = now - float(store.get(key))
+                    if silent > SILENT_AFTER_S:
+                        out.append((rank, silent))
+            return out
+        except Exception:  # the store's own connection failed: nothing to add
+            return []
+
+    def describe_lost(self, error: BaseException) -> str:
+        """One line for a failed collective: the ranks that went silent, if any did, and what failed."""
+        silent = self.silent_ranks()
+        which = ", ".join(f"rank {r} of {self.ranks} silent for {s:.0f} s (hung or stopped)" for r, s in silent)
+        return f"{which}: {describe_failure(error)}" if which else describe_failure(error)
 
     @contextlib.contextmanager
     def compiled_call(self):
@@ -364,10 +391,23 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
     tp = TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size(), timeout_s)
+    threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
+                     name="dgemma-rank-heartbeat", daemon=True).start()
     if not _JOINED:
         torch._dynamo.callback.callback_handler.register_start_callback(_compiling_started)
     _JOINED.add(tp)
     return tp
+
+
+def _heartbeat(store, rank: int):
+    """This rank's stamp in the store every HEARTBEAT_S, for as long as the process runs (and is not stopped)."""
+    key = f"dgemma/alive/{rank}"
+    while True:
+        try:
+            store.set(key, repr(time.time()))
+        except Exception:  # the store went away with the group: nothing more to stamp
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def describe_failure(error: BaseException) -> str:

@@ -113,7 +113,9 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     server = GracefulServer(config, state, grace_seconds=settings.shutdown_grace)
     server.run(sockets=[sock])
     if state.worker.fatal:
-        return 1
+        from dgemma.engine.lockstep import LOST_RANKS_EXIT
+
+        return LOST_RANKS_EXIT
     if settings.tp is not None:  # the lifespan stopped the engine thread: tell the other ranks
         _stop_the_other_ranks(state.worker.engine)
     if state.background_compile is not None and state.background_compile.running:
