@@ -241,6 +241,48 @@ def test_compiled_split_step_equals_the_eager_one(split_checkpoint, tmp_path):
     assert not _debug_get_cache_entry_list(DiffusionGemma.decode_canvas.__code__)  # compiled in the ranks, not here
 
 
+def images_and_search(model):
+    """The engine's tokens for a prompt with an image beside one without, and a verifier search's tokens and
+    rounds (rejected positions denoised again), each seeded."""
+    from test_image_generation import image_prompt, picture
+    from test_verifier import reject_multiples_of_3
+
+    from dgemma.engine import Engine
+    from dgemma.images import ImageProcessor
+
+    processor = ImageProcessor.from_folder(model.source_dir)
+    image = model.config.image_token_id
+    prompt, inputs = image_prompt(model, processor, [2, 40, image, 41], [picture(37, 53)])
+    sampling = model.sampling_config.replace(max_new_tokens=24)
+    engine = Engine(model, max_batch=2, max_length=256)
+    seen = [r.tokens for r in engine.generate([prompt, [2, 46, 47]], sampling, seeds=[11, 12], images=[inputs, None])]
+    search = SamplingConfig(max_new_tokens=20, eos_token_ids=(model.config.vocab_size,), max_denoising_steps=6)
+    verified = engine.generate([[5, 6, 7, 8, 9], [3, 4]], search, seeds=[10, 11], verifier=reject_multiples_of_3,
+                               max_rounds=4)
+    return {"images": seen, "search": [(r.tokens, r.stats()["search"]["rounds"]) for r in verified]}
+
+
+def _images_and_search(rank, folder, out):
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    results = images_and_search(load_split_model(folder, join("cpu")))
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_images_and_the_verifier_search_split_equal_one_process(gemma4_vision_model_dir, tmp_path):
+    """A prompt with an image (the vision tower replicated on every rank) beside one without, and a verifier
+    search over rounds: 2 ranks give one process's tokens (and rounds) per seed."""
+    from dgemma.model import load_model
+
+    out = tmp_path / "images.pt"
+    spawn_ranks(_images_and_search, 2, gemma4_vision_model_dir, out)
+    expected = images_and_search(load_model(gemma4_vision_model_dir))
+    assert torch.load(out) == expected
+    assert all(expected["images"]) and max(rounds for _, rounds in expected["search"]) > 1
+
+
 def staggered_turns(engine, submit, step):
     """A request starts; two steps later a 120-token prompt arrives, read in chunks beside it; then a follow-up
     of that prompt and its answer (the prefix cache gives it the first blocks). Returns the tokens and the
