@@ -475,6 +475,37 @@ def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_
     assert "Traceback" not in errors, errors
 
 
+@pytest.mark.slow  # both ranks compile and warm up the tiny model's step (minutes on two cores)
+def test_split_server_answers_eagerly_then_switches_to_the_compiled_step(tiny_model_dir):
+    """`dgemma serve --tensor-parallel 2 --compile`: every rank compiles and warms up the same step on a thread
+    of its own while the ranks answer eagerly; they switch together, the `dgemma_step_compiled` gauge reaches
+    1, and each seed's answer is the one the eager step gave."""
+    from test_server import MODEL, ServerProcess
+    from test_server_operations import scrape
+
+    def answers(client):
+        return [client.completions.create(model=MODEL, prompt="hello world", max_tokens=32, seed=seed).choices[0].text
+                for seed in (1, 2)]
+
+    split = ServerProcess(tiny_model_dir, "--tensor-parallel", "2", "--max-batch", "1", "--compile",
+                          "--compile-mode", "default")
+    try:
+        client = split.client()
+        eager = answers(client)
+        assert split.health()["step"] == "compiling"
+        wait_until(lambda: split.health()["step"] != "compiling", 900, "the compiled step")
+        if split.health()["step"] != "compiled":
+            split.stop()
+            raise AssertionError(split.proc.stderr.read())
+        assert scrape(split)[("dgemma_step_compiled", ())] == 1
+        assert answers(client) == eager
+    finally:
+        split.stop()
+    errors = split.proc.stderr.read()
+    assert split.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+    assert "compiled step ready after" in errors, errors
+
+
 def test_generate_under_torchrun_equals_one_process(tiny_model_dir, capsys):
     """`torchrun --nproc-per-node 2 -m dgemma generate --chat` prints what one process prints (rank 0 alone)."""
     import subprocess

@@ -284,7 +284,10 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
         return model
     use_disk_cache()
     options = dict(torch._inductor.list_mode_options(mode))
-    options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
+    # not on a split model: inductor's C++ wrapper cannot call its collectives yet (torch 2.13: "arg type Any is
+    # not yet supported by custom_op_wrapper")
+    split = getattr(model, "tp", None) is not None
+    options["cpp_wrapper"] = model.device.type == "cpu" and not split if cpp_wrapper is None else cpp_wrapper
     model.compiled = CompiledSteps(model, mode, options, background)
     return model
 

@@ -40,7 +40,7 @@ import contextlib
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -199,12 +199,29 @@ class TensorParallel:
     rank: int
     ranks: int
     timeout_s: float = DEFAULT_TIMEOUT_S
-    patient: bool = False  # the group's timeout is COMPILE_TIMEOUT_S until the compiled call ends
+    # the same ranks again, for compiled graphs and for the thread that compiles them (`use_compile_group`): a
+    # server's engine thread keeps stepping eagerly over `group` while every rank's compile thread warms up
+    # its compiled step over this one, and collectives of two threads on one group would meet out of order
+    compile_group: dist.ProcessGroup | None = None
+    # the thread whose call is compiling: the compile group's timeout is COMPILE_TIMEOUT_S until that call ends
+    patient: threading.Thread | None = None
+    local: threading.local = field(default_factory=threading.local)
 
     def set_timeout(self, seconds: float):
         from datetime import timedelta
 
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), self.group)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), self.compile_group or self.group)
+
+    def use_compile_group(self):
+        """From now on this thread's eager collectives go over the compile group too (a compile thread)."""
+        self.local.group = self.compile_group
+
+    def _group(self) -> dist.ProcessGroup:
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag, True on every thread while
+        # one thread compiles, and a server's engine thread steps eagerly meanwhile
+        if torch.compiler.is_dynamo_compiling():  # a compiled graph's collectives: always the compile group
+            return self.compile_group or self.group
+        return getattr(self.local, "group", None) or self.group
 
     def silent_ranks(self) -> list[tuple[int, float]]:
         """(rank, seconds since its last stamp) of the ranks silent for more than SILENT_AFTER_S; [] when the
@@ -235,24 +252,24 @@ class TensorParallel:
         try:
             yield
         finally:
-            if self.patient:
-                self.patient = False
+            if self.patient is threading.current_thread():
+                self.patient = None
                 self.set_timeout(self.timeout_s)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # traced into the compiled graph (a new tensor, not in place)
-            return funcol.all_reduce(t, "sum", self.group)
-        dist.all_reduce(t, group=self.group)
+        if torch.compiler.is_dynamo_compiling():  # traced into the compiled graph (a new tensor, not in place)
+            return funcol.all_reduce(t, "sum", self._group())
+        dist.all_reduce(t, group=self._group())
         return t
 
     def all_gather_last(self, t: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim; with `keep`,
         only the first `keep` of those columns (the padded vocabulary's real tokens), in the one copy."""
-        if torch.compiler.is_compiling():  # traced into the compiled graph: gathered along dim 0, then split
-            parts = list(funcol.all_gather_tensor(t.contiguous(), 0, self.group).chunk(self.ranks))
+        if torch.compiler.is_dynamo_compiling():  # traced into the compiled graph: gathered along dim 0, then split
+            parts = list(funcol.all_gather_tensor(t.contiguous(), 0, self._group()).chunk(self.ranks))
         else:
             parts = [torch.empty_like(t) for _ in range(self.ranks)]
-            dist.all_gather(parts, t.contiguous(), group=self.group)
+            dist.all_gather(parts, t.contiguous(), group=self._group())
         if keep is not None:
             n = t.shape[-1]
             parts = [p[..., : max(0, keep - i * n)] for i, p in enumerate(parts)]
@@ -279,7 +296,7 @@ class SplitBlock(Block):
         dense = self.mlp(self.pre_feedforward_layernorm(x)).reshape_as(flat)  # partial sum over ranks
         weights, experts = self.router(flat)  # replicated: every rank routes alike
         normed = self.pre_feedforward_layernorm_2(flat)
-        if torch.compiler.is_compiling():  # one opaque op in the graph (its shapes follow the routing)
+        if torch.compiler.is_dynamo_compiling():  # one opaque op in the graph (its shapes follow the routing)
             routed = split_local_experts(self.op_key, normed, weights, experts)
         else:
             routed = self._local_experts(normed, weights, experts)  # partial sum
@@ -373,8 +390,8 @@ _JOINED: "weakref.WeakSet[TensorParallel]" = weakref.WeakSet()
 def _compiling_started(*_):  # dynamo passes its callback trigger
     """dynamo's compile-start callback: this process's split groups wait for slower compiling ranks."""
     for tp in list(_JOINED):
-        if not tp.patient:
-            tp.patient = True
+        if tp.patient is None:
+            tp.patient = threading.current_thread()
             tp.set_timeout(COMPILE_TIMEOUT_S)
 
 
@@ -390,7 +407,10 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    tp = TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size(), timeout_s)
+    group = mesh.get_group("tp")
+    tp = TensorParallel(group, dist.get_rank(), dist.get_world_size(), timeout_s,
+                        compile_group=dist.new_group(dist.get_process_group_ranks(group),
+                                                     timeout=timedelta(seconds=timeout_s)))
     threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
                      name="dgemma-rank-heartbeat", daemon=True).start()
     if not _JOINED:
