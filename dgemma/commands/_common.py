@@ -149,7 +149,6 @@ def compile_mode(args, model) -> str:
 def maybe_compile(args, model):
     """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
     every rank, which compile alike); the model either way."""
-    from dgemma.commands._tensor_parallel import agree
     from dgemma.model.compilation import compile_model
 
     if agree(args, lambda: wants_compile(args, model)):
@@ -298,3 +297,24 @@ def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
         print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB ({memory}; "
               f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
     return budget
+
+
+def agree(args, make):
+    """`make()` run on rank 0 and its value handed to every rank (or `make()` itself without ranks): what
+    rank 0 reads or draws. An error `make` raises on rank 0 is raised on every rank."""
+    tp = getattr(args, "tp", None)
+    if tp is None:
+        return make()
+    import torch.distributed as dist
+
+    box = [None]
+    if tp.rank == 0:
+        try:
+            box[0] = ("value", make())
+        except Exception as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0, group=tp.group)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value

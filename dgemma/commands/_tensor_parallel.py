@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dgemma.commands._common import UsageError
+from dgemma.commands._common import UsageError, agree  # noqa: F401  (agree: generate's and chat's name for it)
 
 
 MONITOR_S = 3.0
@@ -132,24 +132,3 @@ def _join(args):
     if args.tp.rank != 0:  # only rank 0 prints and reads the terminal
         sys.stdout = sys.stderr = open(os.devnull, "w")
         sys.stdin = open(os.devnull)
-
-
-def agree(args, make):
-    """`make()` run on rank 0 and its value handed to every rank (or `make()` itself without ranks): what
-    rank 0 reads or draws. An error `make` raises on rank 0 is raised on every rank."""
-    tp = getattr(args, "tp", None)
-    if tp is None:
-        return make()
-    import torch.distributed as dist
-
-    box = [None]
-    if tp.rank == 0:
-        try:
-            box[0] = ("value", make())
-        except Exception as e:
-            box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0, group=tp.group)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value

@@ -15,6 +15,7 @@ from dgemma.commands import _tensor_parallel
 from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
+    agree,
     compile_mode,
     load_from_args,
     add_prefix_cache_arguments,
@@ -122,8 +123,6 @@ class ModelFromFlags:
 
     def compile_mode(self, model) -> str | None:
         """The compiled step's mode, or None for eager (a split model: rank 0's answer on every rank)."""
-        from dgemma.commands._tensor_parallel import agree
-
         return compile_mode(self.args, model) if agree(self.args, lambda: wants_compile(self.args, model)) else None
 
 
