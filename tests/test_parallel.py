@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import make_hf_model
+from conftest import make_hf_model, wait_until
 from dgemma.config import SamplingConfig
 from dgemma.model import PreviousStep
 
@@ -96,16 +96,21 @@ def loop_and_scores(model):
 
 
 def _split_passes(rank, folder, out):
+    from dgemma.model import int8_compute
     from dgemma.model.parallel import join
     from dgemma.model.parallel_load import load_split_model
 
     tp = join("cpu")
+    int8_compute.MIN_TABLE_ENTRIES = 0  # the tiny table's int8 codes too
     results = {}
     for quantize in (None, "int8"):
         model = load_split_model(folder, tp, quantize=quantize)
         assert model.embed_tokens.weight.shape[0] == model.config.vocab_size // 2
         assert model.layers[0].experts.gate_up_proj.shape[0] == 4  # 8 experts, 4 a rank
         results[quantize] = {**passes(model), "tokens": engine_tokens(model), **loop_and_scores(model)}
+    model = load_split_model(folder, tp, quantize="int8")
+    assert int8_compute.enable(model, "on") and model.int8_table is not None  # --cpu-int8-compute on
+    results["int8 compute"] = passes(model)
     if rank == 0:
         torch.save(results, out)
 
@@ -113,8 +118,9 @@ def _split_passes(rank, folder, out):
 def test_split_logits_match_one_process(split_checkpoint, tmp_path):
     """fp32 and int8 (each rank quantises its slices): encoder and decoder logits within 1e-5; the engine's
     tokens for a batch of 4 prompts of different lengths, the plain loop's tokens and the engine's prompt
-    scores the same."""
-    from dgemma.model import load_model
+    scores the same. int8 with integer compute (--cpu-int8-compute on, the tied table's codes too): logits as
+    far from the dequantised weights' as one process's integer compute's, in order of magnitude."""
+    from dgemma.model import int8_compute, load_model
 
     out = tmp_path / "split.pt"
     spawn_ranks(_split_passes, 2, split_checkpoint, out)
@@ -132,6 +138,149 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
             assert split[quantize][name].shape == logits.shape
             err = (split[quantize][name] - logits).abs().max().item()
             assert err < 1e-5, f"{quantize} {name}: {err}"
+    # integer compute quantises activations per row (each rank over its own slice of a row-split input): not
+    # the dequantised weights' logits, and on this tiny model far from them (0.18-0.56 of the largest logit in
+    # one process), so the split is held to the same order of distance, not to one process's bits
+    model = load_model(split_checkpoint, quantize="int8")
+    dequantised = passes(model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int8_compute, "MIN_TABLE_ENTRIES", 0)
+        assert int8_compute.enable(model, "on") and model.int8_table is not None
+    for name, logits in passes(model).items():
+        scale = dequantised[name].abs().max().item()
+        ours = (split["int8 compute"][name] - dequantised[name]).abs().max().item() / scale
+        one = (logits - dequantised[name]).abs().max().item() / scale
+        assert 0 < ours < 3 * one, f"int8 compute {name}: {ours} split, {one} one process"
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory):
+    """The split model's shapes with a 973-token vocabulary (prime: no number of ranks divides it), with a
+    tokenizer for the command line."""
+    from conftest import write_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("odd-vocab-hf")
+    make_hf_model("alternating", seed=5, text={**SPLIT_TEXT, "vocab_size": 973}).save_pretrained(folder)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+def _odd_vocab_passes(rank, folder, out):
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    model = load_split_model(folder, join("cpu"))
+    assert model.embed_tokens.weight.shape[0] == 487  # 973 padded to 974, over 2 ranks
+    if rank == 1:
+        assert model.embed_tokens.weight[-1].abs().max() == 0  # the padding row
+    results = passes(model)
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_path):
+    """973 tokens over 2 ranks (padded to 974, the padded logit dropped): encoder, decoder and self-conditioned
+    decoder logits are (..., 973) and within 1e-4 of one process's, relative to the largest logit; and
+    `dgemma generate --tensor-parallel 2` runs on it."""
+    import subprocess
+    import sys
+
+    from dgemma.model import load_model
+
+    out = tmp_path / "odd.pt"
+    spawn_ranks(_odd_vocab_passes, 2, odd_vocab_checkpoint, out)
+    split = torch.load(out)
+    for name, logits in passes(load_model(odd_vocab_checkpoint)).items():
+        assert split[name].shape == logits.shape and logits.shape[-1] == 973
+        err = (split[name] - logits).abs().max().item() / logits.abs().max().item()
+        assert err < 1e-4, f"{name}: {err}"
+    done = subprocess.run([sys.executable, "-m", "dgemma", "generate", "--model", str(odd_vocab_checkpoint),
+                           "--prompt", "hello world", "--tensor-parallel", "2", "--json", "--seed", "3",
+                           "--max-new-tokens", "16", "--steps", "4"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tokens = json.loads(done.stdout.splitlines()[-1])["tokens"]
+    assert tokens and all(0 <= t < 973 for t in tokens)
+
+
+def _compiled_and_eager(rank, folder, out):
+    from dgemma.engine import Engine
+    from dgemma.model.compilation import compile_model, is_compiled
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    model = load_split_model(folder, join("cpu"))
+    # one canvas from prompts of one length: one graph of each kind (a compile costs minutes on two cores)
+    sampling = model.sampling_config.replace(max_new_tokens=model.config.canvas_length, max_denoising_steps=4,
+                                             eos_token_ids=(10**6,))
+    prompts, seeds = [[5, 6, 7, 8], [9, 10, 11, 12]], [3, 4]
+
+    def tokens():
+        return [r.tokens for r in Engine(model, max_batch=1, max_length=64).generate(prompts, sampling, seeds=seeds)]
+
+    eager = tokens()
+    compile_model(model, "default", cpp_wrapper=False)  # the cheapest compile: no autotuning
+    compiled = tokens()
+    assert is_compiled(model)
+    if rank == 0:
+        torch.save({"eager": eager, "compiled": compiled}, out)
+
+
+@pytest.mark.slow  # two ranks compile the tiny model's step (about a minute on two cores)
+def test_compiled_split_step_equals_the_eager_one(split_checkpoint, tmp_path):
+    """Every rank compiles the same graph (collectives traced in, a rank's experts one opaque op): per seed the
+    compiled split engine's tokens are the eager split engine's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dgemma.model.network import DiffusionGemma
+
+    out = tmp_path / "compiled.pt"
+    spawn_ranks(_compiled_and_eager, 2, split_checkpoint, out)
+    got = torch.load(out)
+    assert got["compiled"] == got["eager"] and got["eager"][0] != got["eager"][1]
+    assert not _debug_get_cache_entry_list(DiffusionGemma.decode_canvas.__code__)  # compiled in the ranks, not here
+
+
+def images_and_search(model):
+    """The engine's tokens for a prompt with an image beside one without, and a verifier search's tokens and
+    rounds (rejected positions denoised again), each seeded."""
+    from test_image_generation import image_prompt, picture
+    from test_verifier import reject_multiples_of_3
+
+    from dgemma.engine import Engine
+    from dgemma.images import ImageProcessor
+
+    processor = ImageProcessor.from_folder(model.source_dir)
+    image = model.config.image_token_id
+    prompt, inputs = image_prompt(model, processor, [2, 40, image, 41], [picture(37, 53)])
+    sampling = model.sampling_config.replace(max_new_tokens=24)
+    engine = Engine(model, max_batch=2, max_length=256)
+    seen = [r.tokens for r in engine.generate([prompt, [2, 46, 47]], sampling, seeds=[11, 12], images=[inputs, None])]
+    search = SamplingConfig(max_new_tokens=20, eos_token_ids=(model.config.vocab_size,), max_denoising_steps=6)
+    verified = engine.generate([[5, 6, 7, 8, 9], [3, 4]], search, seeds=[10, 11], verifier=reject_multiples_of_3,
+                               max_rounds=4)
+    return {"images": seen, "search": [(r.tokens, r.stats()["search"]["rounds"]) for r in verified]}
+
+
+def _images_and_search(rank, folder, out):
+    from dgemma.model.parallel import join
+    from dgemma.model.parallel_load import load_split_model
+
+    results = images_and_search(load_split_model(folder, join("cpu")))
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_images_and_the_verifier_search_split_equal_one_process(gemma4_vision_model_dir, tmp_path):
+    """A prompt with an image (the vision tower replicated on every rank) beside one without, and a verifier
+    search over rounds: 2 ranks give one process's tokens (and rounds) per seed."""
+    from dgemma.model import load_model
+
+    out = tmp_path / "images.pt"
+    spawn_ranks(_images_and_search, 2, gemma4_vision_model_dir, out)
+    expected = images_and_search(load_model(gemma4_vision_model_dir))
+    assert torch.load(out) == expected
+    assert all(expected["images"]) and max(rounds for _, rounds in expected["search"]) > 1
 
 
 def staggered_turns(engine, submit, step):
@@ -217,7 +366,8 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
 
 
 def served_answers(client) -> list:
-    """A chat answer, a JSON-schema answer and a tool call, each seeded."""
+    """A chat answer, a JSON-schema answer and a tool call, each seeded; then a chat's follow-up turn, which
+    takes its earlier turns from the prefix cache (on by default): its answer and the cached tokens it reports."""
     from test_server import MODEL
     from test_server_tools import WEATHER
 
@@ -231,14 +381,23 @@ def served_answers(client) -> list:
                                           tool_choice="required")
     json.loads(answer.choices[0].message.content)  # valid JSON, as the schema constrains it
     assert call.choices[0].message.tool_calls[0].function.name == "get_weather"
+    turn = [{"role": "user", "content": "hello world, the cat is red and the dog is blue " * 3}]
+    first = client.chat.completions.create(model=MODEL, messages=turn, seed=6, max_tokens=16)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "yes"}]
+    follow_up = client.chat.completions.create(model=MODEL, messages=turn, seed=7, max_tokens=16)
+    cached = follow_up.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32, follow_up.usage  # the first turn's whole blocks at least
     return [chat.choices[0].message.content, answer.choices[0].message.content,
-            [(c.function.name, c.function.arguments) for c in call.choices[0].message.tool_calls]]
+            [(c.function.name, c.function.arguments) for c in call.choices[0].message.tool_calls],
+            follow_up.choices[0].message.content, cached]
 
 
 def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_model_dir):
-    """Through the openai client: a chat, a JSON-schema answer and a tool call from `dgemma serve
-    --tensor-parallel 2` (dgemma starts the ranks itself) equal one process's. Then rank 1 is killed: rank 0
-    answers 503 to new work, and the launcher ends every rank within 60 s with one line naming rank 1."""
+    """Through the openai client: a chat, a JSON-schema answer, a tool call and a follow-up turn served from
+    the prefix cache (its default budget) from `dgemma serve --tensor-parallel 2` (dgemma starts the ranks
+    itself) equal one process's, cached tokens too. Then rank 1 is killed: rank 0
+    answers 503 to new work, and the launcher ends within 60 s with one line naming rank 1, every rank's process
+    gone (within 90 s)."""
     from test_server import ServerProcess
 
     one = ServerProcess(gemma4_chat_model_dir)
@@ -249,7 +408,8 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
     split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2")
     try:
         assert served_answers(split.client()) == expected
-        os.kill(_rank_pid(split.pid, 1), signal.SIGKILL)
+        ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
+        os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
         statuses = set()
         while split.proc.poll() is None and time.monotonic() - killed < 60:
@@ -261,12 +421,89 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
             time.sleep(0.2)
         code = split.proc.wait(5)
         errors = split.proc.stderr.read()
+        wait_until(lambda: all(map(gone, ranks)), 90 - (time.monotonic() - killed), "every rank gone")
     finally:
         split.stop()
     assert code not in (0, None) and time.monotonic() - killed < 60
     assert 503 in statuses and 200 not in statuses, statuses
     assert "dgemma: rank 1 of 2 ended (signal SIGKILL); the other ranks were stopped" in errors, errors
     assert "Traceback" not in errors, errors
+
+
+def gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_dir):
+    """Rank 1 stopped (SIGSTOP: alive, silent) under `dgemma serve --tensor-parallel 2 --rank-timeout 5`: rank 0's
+    next collective times out, it answers 503 (never 200) and says in one line that rank 1 went silent; every
+    process is gone soon after, the stopped one too."""
+    from test_server import ServerProcess
+
+    split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2", "--rank-timeout", "5")
+    try:
+        ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
+        time.sleep(2 * 1.0)  # a heartbeat or two from every rank
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        statuses = set()
+        while split.proc.poll() is None and time.monotonic() - stopped < 90:
+            try:
+                statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
+                                        timeout=15).status_code)
+            except httpx.TransportError:
+                statuses.add("refused")
+            time.sleep(0.2)
+        code = split.proc.wait(5)
+        ended = time.monotonic() - stopped
+        errors = split.proc.stderr.read()
+        wait_until(lambda: all(map(gone, ranks)), 30, "every rank gone")
+    finally:
+        for pid in ranks if "ranks" in locals() else ():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        split.stop()
+    assert code not in (0, None) and ended < 60, (code, ended)
+    assert 503 in statuses and 200 not in statuses, statuses
+    named = [line for line in errors.splitlines() if "rank 1 of 2 silent for" in line]
+    assert len(named) == 1 and "(hung or stopped)" in named[0], errors
+    assert "dgemma: rank 0 of 2 ended" not in errors, errors  # the launcher adds no line blaming rank 0
+    assert "Traceback" not in errors, errors
+
+
+@pytest.mark.slow  # both ranks compile and warm up the tiny model's step (minutes on two cores)
+def test_split_server_answers_eagerly_then_switches_to_the_compiled_step(tiny_model_dir):
+    """`dgemma serve --tensor-parallel 2 --compile`: every rank compiles and warms up the same step on a thread
+    of its own while the ranks answer eagerly; they switch together, the `dgemma_step_compiled` gauge reaches
+    1, and each seed's answer is the one the eager step gave."""
+    from test_server import MODEL, ServerProcess
+    from test_server_operations import scrape
+
+    def answers(client):
+        return [client.completions.create(model=MODEL, prompt="hello world", max_tokens=32, seed=seed).choices[0].text
+                for seed in (1, 2)]
+
+    split = ServerProcess(tiny_model_dir, "--tensor-parallel", "2", "--max-batch", "1", "--compile",
+                          "--compile-mode", "default")
+    try:
+        client = split.client()
+        eager = answers(client)
+        assert split.health()["step"] == "compiling"
+        wait_until(lambda: split.health()["step"] != "compiling", 900, "the compiled step")
+        if split.health()["step"] != "compiled":
+            split.stop()
+            raise AssertionError(split.proc.stderr.read())
+        assert scrape(split)[("dgemma_step_compiled", ())] == 1
+        assert answers(client) == eager
+    finally:
+        split.stop()
+    errors = split.proc.stderr.read()
+    assert split.proc.returncode in (0, -15) and "Traceback" not in errors, errors
+    assert "compiled step ready after" in errors, errors
 
 
 def test_generate_under_torchrun_equals_one_process(tiny_model_dir, capsys):

@@ -154,16 +154,13 @@ def engine_shape(max_batch: int, max_length: int) -> str:
 
 
 def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
-    """`compile_model(model)` when the policy says so (see `wants_compile`), after one line on stderr that says
-    the choice and why ("step: eager (...)") unless `announce` is False; the model either way."""
+    """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
+    every rank, which compile alike), after one line on stderr that says the choice and why ("step: eager
+    (...)") unless `announce` is False; the model either way."""
     from dgemma.model.compilation import compile_model
 
-    if getattr(model, "eager_only", None) is not None:  # a split model: it says why it stays eager
-        if announce:
-            print(f"step: eager ({model.eager_only})", file=sys.stderr, flush=True)
-        return model
-    choice = wants_compile(args, model, shape)
-    if announce:
+    choice = agree(args, lambda: wants_compile(args, model, shape))
+    if announce and getattr(getattr(args, "tp", None), "rank", 0) == 0:
         print(f"step: {choice}", file=sys.stderr, flush=True)
     if choice:
         compile_model(model, compile_mode(args, model), shape=shape)
@@ -285,11 +282,12 @@ def load_from_args(args, *, compile: bool = True, shape: str | None = None, anno
     from dgemma.model import load_model
 
     device, dtype = resolve_device_dtype(args)
-    if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices, eager
+    if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices
         from dgemma.model.parallel_load import load_split_model
 
-        return load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
-    model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
+        model = load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
+    else:
+        model = load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
     model = apply_int8_compute(args, model)
     return maybe_compile(args, model, shape, announce=announce) if compile else model
 
@@ -354,3 +352,24 @@ def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
         print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB ({memory}; "
               f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
     return budget
+
+
+def agree(args, make):
+    """`make()` run on rank 0 and its value handed to every rank (or `make()` itself without ranks): what
+    rank 0 reads or draws. An error `make` raises on rank 0 is raised on every rank."""
+    tp = getattr(args, "tp", None)
+    if tp is None:
+        return make()
+    import torch.distributed as dist
+
+    box = [None]
+    if tp.rank == 0:
+        try:
+            box[0] = ("value", make())
+        except Exception as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0, group=tp.group)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value

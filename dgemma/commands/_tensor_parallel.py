@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dgemma.commands._common import UsageError
+from dgemma.commands._common import UsageError, agree  # noqa: F401  (agree: generate's and chat's name for it)
 
 
 MONITOR_S = 3.0
@@ -82,6 +82,8 @@ def _check_before_launch(args, ranks: int):
 
 def _launch(ranks: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from dgemma.engine.lockstep import LOST_RANKS_EXIT
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -97,6 +99,8 @@ def _launch(ranks: int, argv: list[str]) -> int:
         # the rank that failed first, not those the launcher then stopped (SIGTERM)
         rank, failure = min(e.failures.items(), key=lambda f: (f[1].signal_name() == "SIGTERM", f[1].timestamp, f[0]))
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        if failure.exitcode == LOST_RANKS_EXIT:  # rank 0 said which rank went silent, in its own line
+            return 1
         print(f"dgemma: rank {rank} of {ranks} ended ({how}); the other ranks were stopped", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:  # SIGTERM / SIGINT to dgemma: the launcher stopped the ranks, as asked
@@ -128,24 +132,3 @@ def _join(args):
     if args.tp.rank != 0:  # only rank 0 prints and reads the terminal
         sys.stdout = sys.stderr = open(os.devnull, "w")
         sys.stdin = open(os.devnull)
-
-
-def agree(args, make):
-    """`make()` run on rank 0 and its value handed to every rank (or `make()` itself without ranks): what
-    rank 0 reads or draws. An error `make` raises on rank 0 is raised on every rank."""
-    tp = getattr(args, "tp", None)
-    if tp is None:
-        return make()
-    import torch.distributed as dist
-
-    box = [None]
-    if tp.rank == 0:
-        try:
-            box[0] = ("value", make())
-        except Exception as e:
-            box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0, group=tp.group)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value

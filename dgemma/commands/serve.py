@@ -16,6 +16,7 @@ from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
     add_step_cache_arguments,
+    agree,
     compile_mode,
     load_from_args,
     add_prefix_cache_arguments,
@@ -125,7 +126,8 @@ class ModelFromFlags:
         return prefix_cache_bytes(self.args, model, "serve")
 
     def compile_mode(self, model) -> str | None:
-        return compile_mode(self.args, model) if wants_compile(self.args, model) else None
+        """The compiled step's mode, or None for eager (a split model: rank 0's answer on every rank)."""
+        return compile_mode(self.args, model) if agree(self.args, lambda: wants_compile(self.args, model)) else None
 
 
 def _check_arguments(args):
@@ -152,7 +154,8 @@ def _check_arguments(args):
 def _run_replicas(args):
     """`--replicas N`: N replicas of this server on Ray Serve (dgemma/serving/replicas.py)."""
     if getattr(args, "tensor_parallel", None):
-        raise UsageError("--replicas and --tensor-parallel do not combine yet: each replica is one process")
+        raise UsageError("--replicas and --tensor-parallel do not combine yet: each replica is one process (run "
+                         "one `dgemma serve --tensor-parallel N` per replica behind your own load balancer)")
     try:
         import ray  # noqa: F401  (the extra's presence, checked before anything is loaded)
     except ModuleNotFoundError as e:

@@ -11,6 +11,10 @@ decision taken from a clock, how many prompt tokens a step reads beside running 
 `PrefillPace`, measured on each rank's own clock), travels in the message too: every rank reads the
 leader's chunk.
 
+A server's compiled step (built on every rank's compile thread meanwhile, dgemma/serving/lifecycle.py) is
+switched to at one step on every rank: the leader sends "switch" once its own is ready (`compile_switch`),
+and each rank takes it there, waiting for its own compile to finish if it has not yet.
+
 When the leader has nothing to do its step is a heartbeat (an "idle" message every `heartbeat_s`), so
 the followers' waits stay inside the collective timeout and a dead rank is noticed within it. A failed
 collective (or any failed step: the ranks would no longer agree) raises `RanksLost`.
@@ -25,7 +29,11 @@ import torch.distributed as dist
 
 from dgemma.engine.engine import Engine
 from dgemma.engine.scheduler import QueueFull
-from dgemma.model.parallel import describe_failure
+
+
+# The exit code of a rank 0 that lost the other ranks and has said which in its own line (the launcher then
+# adds none: dgemma/commands/_tensor_parallel.py)
+LOST_RANKS_EXIT = 3
 
 
 class RanksLost(RuntimeError):
@@ -42,6 +50,9 @@ class LockstepEngine(Engine):
         self._incoming, self._cancels = [], []  # the leader's, until its next step hands them out
         self._handed_out = []  # the leader's own request objects of the step's message (followers get copies)
         self._closing = False
+        # a server's background compile (lifecycle.BackgroundCompile) on every rank: `ready()` on the leader,
+        # `switch_when_ready()` on every rank when the leader says so
+        self.compile_switch = None
 
     # -- the leader's queue (any thread) -----------------------------------------------------------
     def submit(self, request):
@@ -77,6 +88,10 @@ class LockstepEngine(Engine):
         kind = message[0]
         if kind == "stop":
             return False
+        if kind == "switch":
+            self.compile_switch.switch_when_ready()
+            self.compile_switch = None
+            return True
         if kind == "idle":
             if self.leader:
                 self.wakeup.wait(self.heartbeat_s)
@@ -94,7 +109,7 @@ class LockstepEngine(Engine):
         try:
             super().step()
         except Exception as e:  # one rank's failure leaves the ranks out of step: none can go on
-            raise RanksLost(f"rank {self.tp.rank}: the step failed ({describe_failure(e)})") from None
+            raise RanksLost(f"rank {self.tp.rank}: the step failed ({self.tp.describe_lost(e)})") from None
         return True
 
     def follow(self):
@@ -108,6 +123,10 @@ class LockstepEngine(Engine):
             self._incoming, self._cancels = [], []
         if self._closing:
             return ("stop",)
+        if self.compile_switch is not None and self.compile_switch.ready():
+            with self._lock:  # they go out with the next step
+                self._incoming[:0], self._cancels[:0] = requests, cancelled
+            return ("switch",)
         self._handed_out = requests
         if not requests and not cancelled and not super().has_work():
             return ("idle",)
@@ -118,7 +137,7 @@ class LockstepEngine(Engine):
         try:
             dist.broadcast_object_list(box, src=0, group=self.tp.group)
         except (RuntimeError, dist.DistBackendError) as e:
-            raise RanksLost(f"rank {self.tp.rank}: lost the other ranks ({describe_failure(e)})") from None
+            raise RanksLost(f"rank {self.tp.rank}: lost the other ranks ({self.tp.describe_lost(e)})") from None
         return box[0]
 
 

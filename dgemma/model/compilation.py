@@ -113,8 +113,10 @@ def warm_key(model, mode: str, shape: str | None = None) -> str:
     mode, torch's version and the shape the command runs (a label such as "batch 1, length 256": dynamo
     compiles each new shape afresh, so a cache entry for one batch size says nothing of another)."""
     config = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else repr(model.config)
+    tp = getattr(model, "tp", None)  # a rank of a split model compiles its own part
     what = dict(config=config, dtype=str(model.dtype), device=model.device.type, mode=mode,
-                quantization=model.quantization, torch=torch.__version__, shape=shape)
+                quantization=model.quantization, torch=torch.__version__, shape=shape,
+                **({"rank": f"{tp.rank}/{tp.ranks}"} if tp is not None else {}))
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -346,13 +348,11 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
     one warning line; `is_compiled` then says False. No torch setting is left changed: the one dynamo setting
     the graphs need is set only while a compiled call runs (`dynamo_settings`). `background`: only the
     calling thread runs the compiled functions (it warms them up) until `release_compiled`; other threads run
-    eagerly meanwhile. A model that says why it runs eagerly (`eager_only`: a split model) stays eager.
+    eagerly meanwhile. A rank of a split model (dgemma.model.parallel) compiles its part with the collectives
+    in the graph; every rank must compile alike and run its compiled calls when the others do.
     `shape`: the label of the shape the caller runs (`warm_key`), which the warm marker records once a
     compiled step ran.
     """
-    if model.eager_only is not None:
-        print(f"note: {model.eager_only}", file=sys.stderr)
-        return model
     if model.compiled is not None:  # compiled already (or failed to: then it stays eager)
         return model
     mode = mode or default_mode(model.device)
@@ -362,7 +362,10 @@ def compile_model(model, mode: str | None = None, cpp_wrapper: bool | None = Non
         return model
     use_disk_cache()
     options = dict(torch._inductor.list_mode_options(mode))
-    options["cpp_wrapper"] = model.device.type == "cpu" if cpp_wrapper is None else cpp_wrapper
+    # not on a split model: inductor's C++ wrapper cannot call its collectives yet (torch 2.13: "arg type Any is
+    # not yet supported by custom_op_wrapper")
+    split = getattr(model, "tp", None) is not None
+    options["cpp_wrapper"] = model.device.type == "cpu" and not split if cpp_wrapper is None else cpp_wrapper
     model.compiled = CompiledSteps(model, mode, options, background, shape)
     return model
 
@@ -411,6 +414,9 @@ class CompiledSteps:
         if background:  # only this thread runs the compiled functions until `release_compiled`
             self.state.owner = threading.current_thread()
         self.options = options
+        # a rank of a split model: calls that compile wait longer for the other ranks (parallel.py)
+        tp = getattr(model, "tp", None)
+        self.around_call = tp.compiled_call if tp is not None else contextlib.nullcontext
         # not fullgraph: past dynamo's recompile limit a call runs eagerly instead of failing
         self._decoder = self.function(model.decode_canvas, mark=True)
         self._encoder = self.function(model.encode_tokens)
@@ -427,12 +433,14 @@ class CompiledSteps:
     def decode_canvas(self, *args):
         """`DiffusionGemma.decode_canvas`, compiled."""
         self.refresh_fused()
-        return self._decoder(*args)
+        with self.around_call():
+            return self._decoder(*args)
 
     def encode_tokens(self, *args):
         """`DiffusionGemma.encode_tokens`, compiled."""
         self.refresh_fused()
-        return self._encoder(*args)
+        with self.around_call():
+            return self._encoder(*args)
 
 
 class FusedLinears:

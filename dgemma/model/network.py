@@ -261,9 +261,6 @@ class PreviousStep:
 
 
 class DiffusionGemma(nn.Module):
-    # why compile_model leaves this network eager whatever is asked (a split model: its collectives), or None
-    eager_only: str | None = None
-
     def __init__(self, config: ModelConfig, sampling_config: SamplingConfig | None = None):
         super().__init__()
         self.config = config

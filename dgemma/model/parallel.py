@@ -11,10 +11,12 @@ Per layer, after transformers' `base_model_tp_plan` / `base_model_ep_plan` for D
                  (token, choice) entries of its own experts. The dense MLP's and the experts' partial
                  sums go through ONE all-reduce per layer (stacked), because each is normed before they
                  are added.
-  vocabulary  -- the tied embedding is split by rows (rank r: tokens [r V/N, (r+1) V/N)): a lookup zeroes
-                 the tokens other ranks hold and all-reduces (vLLM's VocabParallelEmbedding), the LM head
-                 all-gathers the ranks' logits, and the self-conditioning soft embedding multiplies each
-                 rank's columns of the probabilities by its rows and all-reduces.
+  vocabulary  -- the tied embedding is split by rows, padded to a multiple of N (Vp = N ceil(V / N); rank r:
+                 tokens [r Vp/N, (r+1) Vp/N), the rows past V zero): a lookup zeroes the tokens other ranks
+                 hold and all-reduces (vLLM's VocabParallelEmbedding), the LM head all-gathers the ranks'
+                 logits and drops the padded ones (logits are (..., V): nothing past V is ever sampled,
+                 scored or counted), and the self-conditioning soft embedding multiplies each rank's
+                 columns of the probabilities by its rows and all-reduces. Any vocabulary splits.
 Replicated: norms, router, the self-conditioning MLP (outside the plans' `layers.*`), the vision tower.
 
 The collectives are hand-written c10d calls, each named where it runs, rather than DTensor's
@@ -22,7 +24,10 @@ The collectives are hand-written c10d calls, each named where it runs, rather th
 the shards (`dgemma.model.parallel_load`) and quantises it into dgemma's int8/int4 modules, which are
 not DTensor-aware, and a DTensor's per-op dispatch would sit on each of a denoising step's few hundred
 small ops. The process group comes from a DeviceMesh (`torch.distributed.device_mesh.init_device_mesh`).
-Split models run eagerly (`compile_model` says so once).
+Under torch.compile (`dgemma.model.compilation.compile_model`, on every rank alike) the same calls are
+torch's functional collectives, which dynamo traces into the graph, and a rank's share of the routed
+experts is one opaque op (which of its entries fall on this rank's experts depends on the routing's values);
+every rank compiles the same graph, so the compiled ranks meet at the same collectives as eager ones do.
 
 The split keeps every module and parameter name, so a checkpoint's keys map one to one onto slices; the
 split classes below are the network's own classes with forwards that add the collectives, swapped in
@@ -31,12 +36,17 @@ place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
 
 from dgemma.config import ModelConfig
 from dgemma.model.experts import Experts
@@ -48,6 +58,13 @@ from dgemma.model.quant import GROUP_SIZE
 # engine's ranks meet at least every few seconds even when idle (dgemma.engine.lockstep), so this bounds
 # how long a failure goes unnoticed.
 DEFAULT_TIMEOUT_S = 30.0
+# ... except in a compiled call that compiled: the ranks compile the same graph, but not in the same time,
+# and the first to finish waits in the graph's first collective for the others (`TensorParallel.compiled_call`)
+COMPILE_TIMEOUT_S = 3600.0
+# Every rank stamps the group's store with the time this often from a thread of its own (`_heartbeat`), so that
+# when a collective fails the ranks can say which rank went silent (a hung or stopped process stamps nothing).
+HEARTBEAT_S = 1.0
+SILENT_AFTER_S = 5.0
 
 
 class SplitError(ValueError):
@@ -112,8 +129,7 @@ def check_split(config: ModelConfig, ranks: int, quantization: str | None = None
         return
     c = config
     needs = [(c.num_heads, "attention heads (num_attention_heads)"),
-             (c.num_experts, "routed experts (num_experts)"),
-             (c.vocab_size, "the vocabulary (vocab_size)")]
+             (c.num_experts, "routed experts (num_experts)")]  # the vocabulary is padded (`vocab_rows`)
     for count, what in needs:
         if count % ranks:
             raise SplitError(f"--tensor-parallel {ranks} does not divide the {count} {what}")
@@ -135,10 +151,16 @@ def check_split(config: ModelConfig, ranks: int, quantization: str | None = None
         raise SplitError(f"the dense MLP's {c.intermediate_size} columns{how} cannot split over {ranks} ranks")
 
 
+def vocab_rows(vocab_size: int, ranks: int) -> int:
+    """The embedding rows each rank holds: the vocabulary padded to a multiple of `ranks`, over `ranks`."""
+    return -(-vocab_size // ranks)
+
+
 def parameter_slices(config: ModelConfig, ranks: int, rank: int, quantization: str | None = None) -> dict[str, Slice]:
     """Our dense parameter name -> the slice rank `rank` holds; names not listed are replicated."""
     inner = config.intermediate_size
-    out: dict[str, Slice] = {"embed_tokens.weight": even(0, rank, ranks, config.vocab_size)}
+    rows = vocab_rows(config.vocab_size, ranks)  # the last rank's slice may reach past V (its padding rows)
+    out: dict[str, Slice] = {"embed_tokens.weight": Slice(0, rank * rows, (rank + 1) * rows, config.vocab_size)}
     start, stop = mlp_slice(inner, ranks, rank, quantization)
     for i in range(config.num_layers):
         p, d = f"layers.{i}.", config.layer_head_dim(i)
@@ -169,22 +191,88 @@ def stored_slice(name: str, slices: dict[str, Slice]) -> Slice | None:
 
 
 # -- the collectives ----------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class TensorParallel:
     """This rank's place in the split: its process group, rank and the number of ranks."""
 
     group: dist.ProcessGroup
     rank: int
     ranks: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    # the same ranks again, for compiled graphs and for the thread that compiles them (`use_compile_group`): a
+    # server's engine thread keeps stepping eagerly over `group` while every rank's compile thread warms up
+    # its compiled step over this one, and collectives of two threads on one group would meet out of order
+    compile_group: dist.ProcessGroup | None = None
+    # the thread whose call is compiling: the compile group's timeout is COMPILE_TIMEOUT_S until that call ends
+    patient: threading.Thread | None = None
+    local: threading.local = field(default_factory=threading.local)
+
+    def set_timeout(self, seconds: float):
+        from datetime import timedelta
+
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), self.compile_group or self.group)
+
+    def use_compile_group(self):
+        """From now on this thread's eager collectives go over the compile group too (a compile thread)."""
+        self.local.group = self.compile_group
+
+    def _group(self) -> dist.ProcessGroup:
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag, True on every thread while
+        # one thread compiles, and a server's engine thread steps eagerly meanwhile
+        if torch.compiler.is_dynamo_compiling():  # a compiled graph's collectives: always the compile group
+            return self.compile_group or self.group
+        return getattr(self.local, "group", None) or self.group
+
+    def silent_ranks(self) -> list[tuple[int, float]]:
+        """(rank, seconds since its last stamp) of the ranks silent for more than SILENT_AFTER_S; [] when the
+        store cannot say (it lived in a rank that is gone)."""
+        try:
+            store, now, out = dist.distributed_c10d._get_default_store(), time.time(), []
+            for rank in range(self.ranks):
+                key = f"dgemma/alive/{rank}"
+                if rank != self.rank and store.check([key]):
+                    silent = now - float(store.get(key))
+                    if silent > SILENT_AFTER_S:
+                        out.append((rank, silent))
+            return out
+        except Exception:  # the store's own connection failed: nothing to add
+            return []
+
+    def describe_lost(self, error: BaseException) -> str:
+        """One line for a failed collective: the ranks that went silent, if any did, and what failed."""
+        silent = self.silent_ranks()
+        which = ", ".join(f"rank {r} of {self.ranks} silent for {s:.0f} s (hung or stopped)" for r, s in silent)
+        return f"{which}: {describe_failure(error)}" if which else describe_failure(error)
+
+    @contextlib.contextmanager
+    def compiled_call(self):
+        """Around a call of the compiled step: when dynamo compiles in it (`_compiling_started` made the
+        group patient), its collectives wait up to COMPILE_TIMEOUT_S for ranks that compile slower; the
+        group's own timeout is back once the call is over."""
+        try:
+            yield
+        finally:
+            if self.patient is threading.current_thread():
+                self.patient = None
+                self.set_timeout(self.timeout_s)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.group)
+        if torch.compiler.is_dynamo_compiling():  # traced into the compiled graph (a new tensor, not in place)
+            return funcol.all_reduce(t, "sum", self._group())
+        dist.all_reduce(t, group=self._group())
         return t
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim."""
-        parts = [torch.empty_like(t) for _ in range(self.ranks)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+    def all_gather_last(self, t: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """Every rank's `t` (..., n) -> (..., N n), concatenated in rank order along the last dim; with `keep`,
+        only the first `keep` of those columns (the padded vocabulary's real tokens), in the one copy."""
+        if torch.compiler.is_dynamo_compiling():  # traced into the compiled graph: gathered along dim 0, then split
+            parts = list(funcol.all_gather_tensor(t.contiguous(), 0, self._group()).chunk(self.ranks))
+        else:
+            parts = [torch.empty_like(t) for _ in range(self.ranks)]
+            dist.all_gather(parts, t.contiguous(), group=self._group())
+        if keep is not None:
+            n = t.shape[-1]
+            parts = [p[..., : max(0, keep - i * n)] for i, p in enumerate(parts)]
         return torch.cat(parts, dim=-1)
 
 
@@ -207,7 +295,11 @@ class SplitBlock(Block):
         flat = x.reshape(-1, x.shape[-1])  # (n, H)
         dense = self.mlp(self.pre_feedforward_layernorm(x)).reshape_as(flat)  # partial sum over ranks
         weights, experts = self.router(flat)  # replicated: every rank routes alike
-        routed = self._local_experts(self.pre_feedforward_layernorm_2(flat), weights, experts)  # partial sum
+        normed = self.pre_feedforward_layernorm_2(flat)
+        if torch.compiler.is_dynamo_compiling():  # one opaque op in the graph (its shapes follow the routing)
+            routed = split_local_experts(self.op_key, normed, weights, experts)
+        else:
+            routed = self._local_experts(normed, weights, experts)  # partial sum
         # collective: ONE all-reduce of the dense MLP's and the experts' partial sums, stacked
         dense, routed = self.tp.all_reduce(torch.stack([dense, routed])).unbind(0)
         dense = self.post_feedforward_layernorm_1(dense.view_as(x))
@@ -228,13 +320,33 @@ class SplitBlock(Block):
         return out
 
 
+    def prepare_for_compile(self):
+        """Called by `compile_model` before tracing: the key `split_local_experts` finds this block by."""
+        _SPLIT_BLOCKS[id(self)] = self
+        self.op_key = id(self)
+
+
+# Under torch.compile a rank's routed experts run as one custom op, found through this registry (as
+# dgemma.model.experts does for a whole model's experts).
+_SPLIT_BLOCKS: "weakref.WeakValueDictionary[int, SplitBlock]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("dgemma::split_local_experts", mutates_args=())
+def split_local_experts(key: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    return _SPLIT_BLOCKS[key]._local_experts(x, weights, experts)
+
+
+@split_local_experts.register_fake
+def _(key, x, weights, experts):
+    return torch.empty_like(x)
+
+
 class SplitDiffusionGemma(DiffusionGemma):
     """The network over this rank's slices; logits come out whole (all-gathered) on every rank."""
 
     tp: TensorParallel
     local_config: ModelConfig  # the heads this rank holds: what its KV cache is shaped by
     vocab_start: int
-    eager_only = "a tensor-parallel model runs eagerly (its collectives are not compiled)"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.embed_tokens.weight.shape[0]
@@ -244,21 +356,43 @@ class SplitDiffusionGemma(DiffusionGemma):
         return self.tp.all_reduce(x) * self.embed_scale()  # collective: all-reduce of the vocabulary slices
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # (..., V/N) this rank's tokens
+        normed, table = self.norm(hidden), self.int8_table  # int8 codes of this rank's rows (--cpu-int8-compute)
+        if table is not None and not torch.is_grad_enabled():
+            logits = table.logits(normed)  # (..., Vp/N) this rank's tokens
+        else:
+            logits = F.linear(normed, self.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
         logits = torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap  # cap tanh(z / cap), see DiffusionGemma.head
-        return self.tp.all_gather_last(logits)  # collective: all-gather of the vocabulary slices
+        # collective: all-gather of the vocabulary slices, the padded rows' logits dropped: (..., V)
+        return self.tp.all_gather_last(logits, keep=self.config.vocab_size)
 
     def soft_embedding_from_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs (..., V) -> (..., H): this rank's columns (fewer than its rows on the rank holding the padding)
+        times the matching rows of its table."""
         rows = self.embed_tokens.weight.shape[0]
-        ours = probs[..., self.vocab_start : self.vocab_start + rows].to(self.dtype)
+        ours = probs[..., self.vocab_start : self.vocab_start + rows]
+        if self.int8_table is not None and not torch.is_grad_enabled():  # the codes cover the padding rows too
+            part = self.int8_table.soft_embedding(F.pad(ours, (0, rows - ours.shape[-1])), self.dtype)
+        else:
+            part = ours.to(self.dtype) @ self.embed_tokens.weight[: ours.shape[-1]]
         # collective: all-reduce of each rank's columns of the probabilities times its rows of the table
-        return self.tp.all_reduce(ours @ self.embed_tokens.weight) * self.embed_scale()
+        return self.tp.all_reduce(part) * self.embed_scale()
 
     @property
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
 
+
+
+_JOINED: "weakref.WeakSet[TensorParallel]" = weakref.WeakSet()
+
+
+def _compiling_started(*_):  # dynamo passes its callback trigger
+    """dynamo's compile-start callback: this process's split groups wait for slower compiling ranks."""
+    for tp in list(_JOINED):
+        if tp.patient is None:
+            tp.patient = threading.current_thread()
+            tp.set_timeout(COMPILE_TIMEOUT_S)
 
 
 def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
@@ -273,7 +407,27 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    return TensorParallel(mesh.get_group("tp"), dist.get_rank(), dist.get_world_size())
+    group = mesh.get_group("tp")
+    tp = TensorParallel(group, dist.get_rank(), dist.get_world_size(), timeout_s,
+                        compile_group=dist.new_group(dist.get_process_group_ranks(group),
+                                                     timeout=timedelta(seconds=timeout_s)))
+    threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
+                     name="dgemma-rank-heartbeat", daemon=True).start()
+    if not _JOINED:
+        torch._dynamo.callback.callback_handler.register_start_callback(_compiling_started)
+    _JOINED.add(tp)
+    return tp
+
+
+def _heartbeat(store, rank: int):
+    """This rank's stamp in the store every HEARTBEAT_S, for as long as the process runs (and is not stopped)."""
+    key = f"dgemma/alive/{rank}"
+    while True:
+        try:
+            store.set(key, repr(time.time()))
+        except Exception:  # the store went away with the group: nothing more to stamp
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def describe_failure(error: BaseException) -> str:
@@ -321,7 +475,7 @@ def split_model(model: DiffusionGemma, tp: TensorParallel, quantization: str | N
         with torch.device(block.experts.gate_up_proj.device):  # the meta device: nothing allocated
             block.experts = Experts(config.replace(num_experts=experts)).to(block.experts.gate_up_proj.dtype)
         block.__class__, block.tp, block.first_expert = SplitBlock, tp, r * experts
-    rows = config.vocab_size // N
+    rows = vocab_rows(config.vocab_size, N)
     old = model.embed_tokens.weight
     model.embed_tokens = nn.Embedding(rows, config.hidden_size, device=old.device, dtype=old.dtype)
     model.__class__, model.tp, model.local_config, model.vocab_start = SplitDiffusionGemma, tp, mine, r * rows

@@ -40,9 +40,22 @@ def load_split_model(path, tp: TensorParallel, device="cpu", dtype: torch.dtype 
         piece = stored_slice(name, slices)
         return None if piece is None else piece.index(stored[plan.sources[name]].shape)
 
+    padded = model.embed_tokens  # this rank's rows of the padded vocabulary; the shards hold V rows
+    real = max(0, min(full.config.vocab_size - model.vocab_start, padded.num_embeddings))
+    model.embed_tokens = torch.nn.Embedding(real, padded.embedding_dim, device="meta", dtype=dtype)
     read_weights(model, path, plan, stored, device, dtype, quantised, part)
+    model.embed_tokens = _padded_embedding(model.embed_tokens.weight, padded.num_embeddings)
     model.quantization = fmt
     if cpu_int4_kernel:
         use_cpu_int4_kernel(model)
     model.load_report = plan.report
     return model.eval()
+
+
+def _padded_embedding(weight: torch.Tensor, rows: int) -> torch.nn.Embedding:
+    """The rows read, followed by zero rows up to `rows` (the padding of a vocabulary N does not divide)."""
+    if weight.shape[0] == rows:
+        return torch.nn.Embedding.from_pretrained(weight, freeze=False)
+    table = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    table[: weight.shape[0]] = weight
+    return torch.nn.Embedding.from_pretrained(table, freeze=False)

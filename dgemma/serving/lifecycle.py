@@ -20,6 +20,11 @@ marks batch and prefix length dynamic after the warm-up's two of each). Its cach
 The sampler's compiled scan is handed over as it is: a new torch.compile wrapper would compile again. When
 compiling fails the model stays eager (one warning line).
 
+A split model (dgemma/model/parallel.py) does this on every rank at once: each rank's compile thread runs the
+same warm-up over the group's second process group (its compiled graphs and the thread's eager collectives),
+while the engine threads step eagerly over the first, and the ranks switch at one lockstep step: rank 0
+sends the switch when its step is ready, and each rank takes it when its own is (dgemma/engine/lockstep.py).
+
 `/health` says which step runs: "compiling" (eager meanwhile), "compiled", or "eager" (no compile: --eager,
 a large model on a CPU, or a compile that failed).
 
@@ -100,10 +105,15 @@ class BackgroundCompile:
         # would stall the event loop and the engine thread with it (priority inversion).
         start = time.perf_counter()
         model = self.worker.model
+        tp = getattr(model, "tp", None)
+        if tp is not None:  # a rank of a split model: the warm-up's collectives over the compile group
+            tp.use_compile_group()
         try:
             compile_model(model, self.mode, background=True)
             if is_compiled(model):
                 warm = Engine(model, max_batch=self.worker.max_batch, max_length=self.worker.max_length)
+                if tp is not None:  # every rank reads the warm-up's prompts in the same chunks, whatever its clock
+                    warm.pace.observe = lambda tokens_read, seconds: None
                 serving_warm_up(warm)
                 if is_compiled(model):  # still: a failure during the warm-up turns it off
                     self._ready_scan = warm.scan
@@ -114,6 +124,17 @@ class BackgroundCompile:
         self.seconds = time.perf_counter() - start
         self._done.set()
         self.worker.engine.wakeup.set()  # an idle engine thread switches now, not at its next request
+
+    def ready(self) -> bool:
+        return self._ready_scan is not None and not self._switched
+
+    def switch_when_ready(self):
+        """A split model's rank, told to switch by rank 0: wait for its own compile, then take it (or stay
+        eager, said on stderr, if it failed here)."""
+        self._done.wait()
+        if self._ready_scan is None:
+            print("dgemma serve: this rank's compiled step is not ready; it stays eager", file=sys.stderr, flush=True)
+        self.between_steps()
 
     def between_steps(self):
         """On the engine thread, between two steps: take the compiled step once it is warm."""

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Protocol
 
 from dgemma.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
@@ -115,7 +116,9 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     server = GracefulServer(config, state, grace_seconds=settings.shutdown_grace)
     server.run(sockets=[sock])
     if state.worker.fatal:
-        return 1
+        from dgemma.engine.lockstep import LOST_RANKS_EXIT
+
+        return LOST_RANKS_EXIT
     if settings.tp is not None:  # the lifespan stopped the engine thread: tell the other ranks
         _stop_the_other_ranks(state.worker.engine)
     if state.background_compile is not None and state.background_compile.running:
@@ -196,15 +199,20 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
                        prefix_cache_bytes=loader.prefix_cache_bytes(model), prefill_chunk=settings.prefill_chunk,
                        deterministic=settings.deterministic)
     engine_class = Engine
+    mode = _compile_mode(loader, model, adapters)  # before any engine steps: on a split model, a collective
     if settings.tp is not None:
         from dgemma.engine.lockstep import LockstepEngine
 
         if settings.tp.rank != 0:  # the other ranks step with rank 0 until it says stop
-            LockstepEngine(model, **engine_args).follow()
+            engine = LockstepEngine(model, **engine_args)
+            rank = SimpleNamespace(model=model, engine=engine, max_batch=settings.max_batch,
+                                   max_length=engine.max_length, between_steps=None)
+            _background_compile(settings, rank, mode)  # the same compile and warm-up as rank 0's
+            engine.follow()
             return None
         engine_class = LockstepEngine
     worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal)
-    background = _background_compile(settings, loader, worker, adapters)
+    background = _background_compile(settings, worker, mode)
     if settings.prebuild_json_object and codec.task == "text":
         _prebuild_json_object(codec)
     max_body_bytes = settings.max_body_bytes or (IMAGE_MAX_BODY_BYTES if images else DEFAULT_MAX_BODY_BYTES)
@@ -215,20 +223,25 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
                        adapters=adapters, adapter_paths=tuple(v.partition("=")[2] for v in settings.lora))
 
 
-def _background_compile(settings: ServerSettings, loader: ModelLoader, worker, adapters: tuple[str, ...]):
-    """The compiled step, built while the eager one answers (lifecycle.py); None when the step stays eager."""
+def _compile_mode(loader: ModelLoader, model, adapters: tuple[str, ...]) -> str | None:
+    """The compiled step's mode, or None when the step stays eager (a split model: rank 0's on every rank)."""
     if adapters:
         print("dgemma serve: LoRA adapters run on the eager step", file=sys.stderr)
         return None
-    if settings.tp is not None:
-        return None
-    mode = loader.compile_mode(worker.model)
+    return loader.compile_mode(model)
+
+
+def _background_compile(settings: ServerSettings, worker, mode: str | None):
+    """The compiled step, built while the eager one answers (lifecycle.py); None when the step stays eager."""
     if mode is None:
         return None
     from dgemma.serving.lifecycle import BackgroundCompile
 
     background = BackgroundCompile(worker, mode)
-    worker.between_steps = background.between_steps
+    if settings.tp is not None:  # the ranks switch together, at a lockstep step (dgemma/engine/lockstep.py)
+        worker.engine.compile_switch = background
+    else:
+        worker.between_steps = background.between_steps
     background.start()
     return background
 
