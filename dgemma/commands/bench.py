@@ -90,6 +90,16 @@ def _batches(args) -> list[int]:
     return batches
 
 
+def _sampling_configs(args, model, new_tokens: int, never: tuple):
+    """The timed runs' sampling: a fixed step count, the adaptive stop, and the fixed one with the step cache
+    (None unless --step-cache on)."""
+    fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps,
+                                          fixed_steps=True, eos_token_ids=never, seed=args.seed)
+    adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
+    cache_settings = step_cache_overrides(args)
+    return fixed, adaptive, fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
+
+
 def run(args):
     import torch
 
@@ -111,11 +121,7 @@ def run(args):
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
-    fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps,
-                                          fixed_steps=True, eos_token_ids=never, seed=args.seed)
-    adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
-    cache_settings = step_cache_overrides(args)
-    cached = fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
+    fixed, adaptive, cached = _sampling_configs(args, model, new_tokens, never)
     gen = torch.Generator().manual_seed(args.seed)
 
     hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)

@@ -12,20 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.commands import _tensor_parallel
-from dgemma.commands._common import (
-    UsageError,
-    add_model_arguments,
-    add_step_cache_arguments,
-    agree,
-    compile_mode,
-    load_from_args,
-    add_prefix_cache_arguments,
-    non_negative_float,
-    positive_int,
-    prefix_cache_bytes,
-    step_cache_overrides,
-    wants_compile,
-)
+from dgemma.commands._common import (UsageError, add_model_arguments, add_prefix_cache_arguments,
+                                     add_step_cache_arguments, agree, compile_mode, load_from_args,
+                                     non_negative_float, positive_int, prefix_cache_bytes, step_cache_overrides,
+                                     wants_compile)
 
 
 def add_arguments(p):
