@@ -122,6 +122,12 @@ def _modes():
     return ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def check_compile_flags(args):
+    """UsageError for compile flags that contradict each other (checked before any other work)."""
+    if getattr(args, "deterministic", False) and getattr(args, "compile", False):
+        raise UsageError("--deterministic runs eagerly: drop --compile")
+
+
 def wants_compile(args, model, shape: str | None = None):
     """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`), with
     the shape the command will run (a label: "batch 1, length 256"): a `compilation.Choice`, true when it
@@ -131,9 +137,8 @@ def wants_compile(args, model, shape: str | None = None):
     process to the next."""
     from dgemma.model import compilation
 
+    check_compile_flags(args)
     if getattr(args, "deterministic", False):
-        if getattr(args, "compile", False):
-            raise UsageError("--deterministic runs eagerly: drop --compile")
         return compilation.Choice(False, "--deterministic")
 
     return compilation.should_compile(model, compile=getattr(args, "compile", False),

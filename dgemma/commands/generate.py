@@ -13,6 +13,7 @@ from dgemma.commands._common import (
     add_prefix_cache_arguments,
     add_sampling_arguments,
     engine_shape,
+    check_compile_flags,
     load_from_args,
     maybe_compile,
     prefix_cache_bytes,
@@ -148,6 +149,7 @@ def run(args):
     images = open_images(args.image)
     if images and args.ar:
         raise UsageError("--image works with the diffusion sampler, not with --ar")
+    check_compile_flags(args)
     model = load_from_args(args, compile=False)  # compiled below, once its shape is known
     sampling = sampling_from_args(model, args)
     placeholder = image_placeholder(model, tokenizer) if images else None
