@@ -97,8 +97,26 @@ class ScoreState(RequestState):
     scores: "PromptScores | None" = None  # the result
 
 
+class _Outcome:
+    """What callers read of any request's outcome, from its `state`."""
+
+    state: RequestState
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.state.cached_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.state.status in (Status.FINISHED, Status.CANCELLED)
+
+
 @dataclass(frozen=True, eq=False)
-class Request:
+class Request(_Outcome):
     """A generation request's inputs (frozen); what the engine does with it is in `state`."""
 
     prompt: list[int]
@@ -137,20 +155,8 @@ class Request:
         return self.state.tokens
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.state.finish_reason
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.state.cached_tokens
-
-    @property
     def steps_per_canvas(self) -> list[int]:
         return self.state.steps_per_canvas
-
-    @property
-    def done(self) -> bool:
-        return self.state.status in (Status.FINISHED, Status.CANCELLED)
 
     @property
     def prefilling(self) -> bool:
@@ -178,7 +184,7 @@ class Request:
 
 
 @dataclass(frozen=True, eq=False)
-class ScoreRequest:
+class ScoreRequest(_Outcome):
     """A prompt to score, not continue: its log-probabilities with `top` most likely alternatives per
     position (at least 1: the token after the prompt), computed by the causal encoder (engine/scoring.py)."""
 
@@ -197,15 +203,3 @@ class ScoreRequest:
     @property
     def scores(self) -> "PromptScores | None":
         return self.state.scores
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.state.finish_reason
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.state.cached_tokens
-
-    @property
-    def done(self) -> bool:
-        return self.state.status in (Status.FINISHED, Status.CANCELLED)
