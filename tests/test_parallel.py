@@ -442,6 +442,26 @@ def gone(pid: int) -> bool:
         return True
 
 
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_model_dir):
+    """SIGKILL to `dgemma serve --tensor-parallel 2` itself (the launcher, which then cannot stop its ranks): the
+    ranks end by themselves (the kernel's parent-death signal) within 30 s, and nothing answers on the port."""
+    from test_server import ServerProcess
+
+    split = ServerProcess(tiny_model_dir, "--tensor-parallel", "2")
+    try:
+        ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
+        assert split.health()["status"] == "ok"
+        split.proc.kill()
+        wait_until(lambda: all(map(gone, ranks)), 30, "every rank gone")
+        with pytest.raises(httpx.TransportError):
+            split.health()
+    finally:
+        for pid in ranks if "ranks" in locals() else ():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        split.stop()
+
+
 def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_dir):
     """Rank 1 stopped (SIGSTOP: alive, silent) under `dgemma serve --tensor-parallel 2 --rank-timeout 5`: rank 0's
     next collective times out, it answers 503 (never 200) and says in one line that rank 1 went silent; every

@@ -1,5 +1,6 @@
 """`dgemma serve --replicas 2` on Ray Serve, driven by the official openai client: requests spread over both
-replicas, answers equal per seed to one `dgemma serve`, and a replica killed mid-run costs no request.
+replicas, answers equal per seed to one `dgemma serve`, and a replica killed mid-run costs no request; the same
+with each replica a split server of two ranks (--tensor-parallel 2), one of whose ranks is killed.
 
 Everything runs as real processes: the Ray instance the command starts on this machine (its GCS, raylet,
 Serve controller and HTTP proxy), the two replica processes, and a one-process `dgemma serve` to compare with.
@@ -63,14 +64,17 @@ def _ask(client: openai.OpenAI, seed: int) -> tuple[str, str | None]:
 
 
 def _ask_again(client: openai.OpenAI, seed: int, attempts: int = 6) -> tuple[str, int]:
-    """`_ask`, sent again after a broken connection or a 5xx, as a client of replicas should. The openai client's
-    max_retries would do it for all but a stream that broke after it began; here the test does it for all.
+    """`_ask`, sent again after a broken connection, a 5xx or a stream's error event, as a client of replicas
+    should. The openai client's max_retries would do it for all but a stream that broke after it began; here the
+    test does it for all.
     Returns the text and how many times it was sent again."""
     for attempt in range(attempts):
         try:
             return _ask(client, seed)[0], attempt
-        except (openai.APIConnectionError, openai.InternalServerError):
-            if attempt == attempts - 1:
+        except openai.APIError as e:
+            # a 5xx, a broken connection, or a stream ended by an error event (a split replica's lost rank)
+            lost = isinstance(e, (openai.APIConnectionError, openai.InternalServerError)) or type(e) is openai.APIError
+            if not lost or attempt == attempts - 1:
                 raise
             time.sleep(min(4.0, 0.5 * 2**attempt))  # until Ray Serve's router has dropped the dead replica
     raise AssertionError("unreachable")
@@ -145,3 +149,116 @@ def test_without_the_ray_extra_one_line_and_exit_2(tiny_model_dir, monkeypatch, 
     assert main(["serve", "--model", str(tiny_model_dir), "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'dgemma[ray]'" in err, err
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _split_ranks(replica: int) -> dict[int, int]:
+    """rank -> pid of the split server's ranks below a replica's process (RANK in their environment)."""
+    ranks = {}
+    for pid in _descendants(replica):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for rank in (0, 1):
+            if f"RANK={rank}".encode() in env and b"-m\0dgemma\0serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks[rank] = pid
+    return ranks
+
+
+def _split_processes(model_dir: Path) -> list[int]:
+    """Every `dgemma serve --tensor-parallel` process of this model on the machine (launchers and ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and b"--tensor-parallel" in cmdline and str(model_dir).encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.5)
+
+
+def test_replicas_of_split_servers_answer_as_one_server_and_a_killed_rank_takes_one_replica(tiny_model_dir,
+                                                                                              tmp_path):
+    """`dgemma serve --replicas 2 --tensor-parallel 2`: each replica a split server of 2 ranks; answers equal to one
+    process per seed from both replicas. A rank of one replica SIGKILLed: that replica's processes are gone
+    within 90 s, the endpoint goes on answering (a client sending 5xx again), Ray Serve starts a new replica in
+    its place, and SIGTERM leaves no rank of any replica behind."""
+    cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(tiny_model_dir), "--replicas", "2",
+           "--tensor-parallel", "2", "--port", "0", "--served-model-name", MODEL, "--automaton-cache", "none",
+           "--max-batch", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DGEMMA_API_KEY": "", "RAY_DEDUP_LOGS": "0"}
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        ray_serve = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+    single = ServerProcess(tiny_model_dir, "--max-batch", "4", api_key=None)
+    try:
+        expected = {seed: _ask(single.client(), seed)[0] for seed in range(12)}
+        single.stop_cleanly()
+        line = _announced(ray_serve, out, err, timeout=240)
+        assert "(2 replicas, each split over 2 ranks, batch 4" in line, line
+        client = openai.OpenAI(base_url=f"{line.rsplit(' on ', 1)[1].strip()}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        replicas = _replica_pids(ray_serve.pid)
+        assert len(replicas) == 2 and all(len(_split_ranks(r)) == 2 for r in replicas), replicas
+
+        with ThreadPoolExecutor(3) as pool:
+            first = dict(zip(range(6), pool.map(lambda s: _ask(client, s), range(6))))
+        assert {seed: text for seed, (text, _) in first.items()} == {s: expected[s] for s in range(6)}
+        assert len({replica for _, replica in first.values()}) == 2, first
+
+        doomed = [replicas[0], *_descendants(replicas[0])]
+        os.kill(_split_ranks(replicas[0])[1], signal.SIGKILL)
+        killed = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            second = dict(zip(range(6, 12), pool.map(lambda s: _ask_again(client, s, attempts=12), range(6, 12))))
+        assert {seed: text for seed, (text, _) in second.items()} == {s: expected[s] for s in range(6, 12)}
+        _wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in doomed), 90 - (time.monotonic() - killed),
+              "the killed rank's replica and its split server gone")
+        _wait(lambda: len(set(_replica_pids(ray_serve.pid)) - set(replicas)) == 1, 240, "a new replica")
+    finally:
+        single.stop()
+        if ray_serve.poll() is None:
+            ray_serve.send_signal(signal.SIGTERM)
+            try:
+                ray_serve.wait(90)
+            except subprocess.TimeoutExpired:
+                ray_serve.kill()
+                ray_serve.wait()
+    _wait(lambda: not _split_processes(tiny_model_dir), 30, "no split server left")
+    assert ray_serve.returncode == 0, err.read_text()[-3000:]
+
+
+def test_split_replica_command_drops_the_replica_flags():
+    from dgemma.serving.split_replica import split_server_command
+
+    argv = ["serve", "--model", "m", "--replicas", "2", "--tensor-parallel=2", "--port=8000", "--host", "0.0.0.0",
+            "--ray-addr", "auto", "--cpus-per-replica=4", "--gpus-per-replica", "2", "--max-batch", "4"]
+    command = split_server_command(argv, 1234)
+    assert command[1:] == ["-m", "dgemma", "serve", "--model", "m", "--tensor-parallel=2", "--max-batch", "4",
+                           "--host", "127.0.0.1", "--port", "1234"]

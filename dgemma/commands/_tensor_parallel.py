@@ -37,8 +37,10 @@ def is_rank() -> bool:
 
 
 def wanted(args) -> bool:
-    """Whether this command runs split: it can (`runs_split`), and --tensor-parallel N > 1 or a launcher asks."""
-    return getattr(args, "runs_split", False) and (is_rank() or (args.tensor_parallel or 1) > 1)
+    """Whether this command runs split: it can (`runs_split`), and --tensor-parallel N > 1 or a launcher asks;
+    not `serve --replicas`, whose replicas start split servers of their own (serving/split_replica.py)."""
+    replicas = getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
+    return getattr(args, "runs_split", False) and not replicas and (is_rank() or (args.tensor_parallel or 1) > 1)
 
 
 def launch_or_join(args, argv: list[str]) -> int | None:
@@ -52,7 +54,7 @@ def launch_or_join(args, argv: list[str]) -> int | None:
         args.tensor_parallel = world
         _join(args)
         return None
-    _check_before_launch(args, ranks)
+    check_before_launch(args, ranks)
     return _launch(ranks, argv)
 
 
@@ -62,7 +64,7 @@ def _device(args) -> str:
     return devices.resolve_device(args.device)
 
 
-def _check_before_launch(args, ranks: int):
+def check_before_launch(args, ranks: int):
     """The split's constraints, from config.json and the headers alone: one line and exit 2 on failure."""
     from dgemma.model.checkpoint import inspect_checkpoint
     from dgemma.model.parallel import SplitError, check_split
@@ -120,6 +122,9 @@ def _join(args):
     import torch
 
     from dgemma.model.parallel import DEFAULT_TIMEOUT_S, join
+    from dgemma.processes import end_with_parent
+
+    end_with_parent()  # a launcher killed outright cannot stop its ranks: they stop themselves
 
     device = _device(args)
     if device.startswith("cuda"):

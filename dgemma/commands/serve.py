@@ -59,7 +59,8 @@ def add_arguments(p):
     add_step_cache_arguments(p.add_argument_group("the step cache (each request may set step_cache)"))
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
-                   help="serve with N whole engines (each its own process, model and batch) behind one endpoint")
+                   help="serve with N whole engines (each its own process, model and batch; with --tensor-parallel M, each "
+                        "a split server of M ranks) behind one endpoint")
     g.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                    help="the Ray cluster to deploy on (`ray start --head` prints it; 'auto': the one on this "
                         "machine); default: a private Ray instance on this machine, stopped with the server")
@@ -99,7 +100,8 @@ def settings(args):
         log_level=args.log_level, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
         tp=getattr(args, "tp", None), replicas=args.replicas, ray_address=args.ray_address,
         cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device,
-        step_cache=step_cache_overrides(args))
+        step_cache=step_cache_overrides(args), tensor_parallel=args.tensor_parallel,
+        command_line=tuple(getattr(args, "argv", ())))
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,6 @@ def _check_arguments(args):
 
 def _run_replicas(args):
     """`--replicas N`: N replicas of this server on Ray Serve (dgemma/serving/replicas.py)."""
-    if getattr(args, "tensor_parallel", None):
-        raise UsageError("--replicas and --tensor-parallel do not combine yet: each replica is one process (run "
-                         "one `dgemma serve --tensor-parallel N` per replica behind your own load balancer)")
     try:
         import ray  # noqa: F401  (the extra's presence, checked before anything is loaded)
     except ModuleNotFoundError as e:
@@ -160,6 +159,8 @@ def _run_replicas(args):
     from dgemma.serving.server import StartupError
 
     _check_arguments(args)
+    if (args.tensor_parallel or 1) > 1:  # each replica a split server: the split's constraints, checked here
+        _tensor_parallel.check_before_launch(args, args.tensor_parallel)
     try:
         return replicas.serve_replicas(settings(args), ModelFromFlags(args))
     except StartupError as e:
@@ -183,8 +184,11 @@ def ray_app(flags: dict):
         else:
             argv += [flag, str(value)]
     args = parser.parse_args(argv)
+    args.argv = ["serve", *argv]  # what a split replica runs again
     args.model_name, args.model = args.model, str(resolve_model(args.model, args.revision))
     _check_arguments(args)
+    if (args.tensor_parallel or 1) > 1:
+        _tensor_parallel.check_before_launch(args, args.tensor_parallel)
     return replicas.application(settings(args), ModelFromFlags(args))
 
 

@@ -7,6 +7,10 @@ proxy sends each request to the less busy of two replicas drawn at random, passe
 as they are written, and starts a new replica when one dies or fails its health check (the engine thread
 stopped). Every answer names the replica that wrote it in an `x-dgemma-replica` header.
 
+With --tensor-parallel N each replica is a split server of N ranks instead (split_replica.py): the replica
+reserves N GPUs (or its share of the cores), starts `dgemma serve --tensor-parallel N` on loopback and passes
+the requests through; a rank lost takes down that replica only.
+
 `serve_replicas` runs the replicas for `dgemma serve --replicas N`; `application` is the same application for
 Ray's own tools (commands/serve.py's `ray_app`). This module needs the `ray` extra (`pip install 'dgemma[ray]'`).
 """
@@ -30,6 +34,7 @@ from ray import serve
 
 from dgemma.serving.app import create_app
 from dgemma.serving.server import ModelLoader, ServerSettings, StartupError, announce, build_state
+from dgemma.serving.split_replica import SplitServer, proxy_app
 
 APP_NAME = "dgemma"
 REPLICA_HEADER = "x-dgemma-replica"
@@ -58,9 +63,10 @@ def _gpus_per_replica(settings: ServerSettings) -> float:
         return settings.gpus_per_replica
     from dgemma import devices
 
+    ranks = settings.tensor_parallel or 1  # a split replica's ranks take a GPU each
     if settings.device.startswith("cuda"):
-        return 1
-    return 1 if settings.device == "auto" and devices.cuda_available() else 0
+        return ranks
+    return ranks if settings.device == "auto" and devices.cuda_available() else 0
 
 
 def build_replica_state(settings: ServerSettings, loader: ModelLoader):
@@ -111,6 +117,25 @@ class DGemmaReplica:
             raise RuntimeError("the engine thread has stopped")
 
 
+@serve.deployment(name="DGemma")
+@serve.ingress()
+class SplitReplica:
+    """A replica that is a split server: `dgemma serve --tensor-parallel N` on loopback, requests passed through."""
+
+    def __init__(self, argv: list[str], threads_per_rank: int):
+        self.server = SplitServer(argv, threads_per_rank)
+
+    def __serve_build_asgi_app__(self):
+        replica = serve.get_replica_context().replica_id.unique_id
+        return ReplicaHeader(proxy_app(self.server), replica=replica)
+
+    def check_health(self):
+        """A rank lost ends the split server (its rank 0 says 503 until then): Ray Serve replaces the replica."""
+        problem = self.server.healthy()
+        if problem:
+            raise RuntimeError(problem)
+
+
 def start_ray(address: str | None) -> dict:
     """Connect to the Ray cluster at `address`, or start a private one on this machine (None). Returns the
     cluster's resources ({"CPU": 2.0, ...})."""
@@ -120,6 +145,7 @@ def start_ray(address: str | None) -> dict:
     return ray.cluster_resources()
 
 
+SPLIT_HEALTH_CHECK_S = 3.0  # a split replica's lost rank is noticed within this (Ray's default is 10 s)
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # the replicas' warnings and errors still reach stderr
 
 
@@ -127,10 +153,13 @@ def application(settings: ServerSettings, loader: ModelLoader, plan: ReplicaPlan
     """The replicas as a Ray Serve application, for `serve.run` (`serve_replicas`) or Ray's `serve run`/`serve
     deploy` (`plan`: on a cluster by default)."""
     plan = plan or plan_replicas(settings, local=False)
-    deployment = DGemmaReplica.options(
-        num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
-        ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=QUIET)
-    return deployment.bind(settings, loader, max(1, int(plan.cpus)))
+    options = dict(num_replicas=plan.replicas, max_ongoing_requests=plan.max_ongoing,
+                   ray_actor_options={"num_cpus": plan.cpus, "num_gpus": plan.gpus}, logging_config=QUIET)
+    ranks = settings.tensor_parallel or 1
+    if ranks > 1:
+        return SplitReplica.options(**options, health_check_period_s=SPLIT_HEALTH_CHECK_S).bind(
+            list(settings.command_line), max(1, int(plan.cpus) // ranks))
+    return DGemmaReplica.options(**options).bind(settings, loader, max(1, int(plan.cpus)))
 
 
 def serve_replicas(settings: ServerSettings, loader: ModelLoader) -> int:
@@ -145,11 +174,13 @@ def serve_replicas(settings: ServerSettings, loader: ModelLoader) -> int:
         if count * need > resources.get(name, 0):
             raise StartupError(f"{count} replicas of {need:g} {name}s need {count * need:g}; the Ray cluster has "
                                f"{resources.get(name, 0):g} (--cpus-per-replica, --gpus-per-replica)")
-    print(f"dgemma serve: starting {count} replicas on Ray Serve ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs each)",
+    ranks = settings.tensor_parallel or 1
+    split = f", each split over {ranks} ranks" if ranks > 1 else ""
+    print(f"dgemma serve: starting {count} replicas on Ray Serve ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs each{split})",
           file=sys.stderr, flush=True)
     try:
         return _deploy(application(settings, loader, plan), host=settings.host, port=port, local=local,
-                       announce=functools.partial(announce, settings, f"{count} replicas", port))
+                       announce=functools.partial(announce, settings, f"{count} replicas{split}", port))
     except RuntimeError as e:  # Ray Serve gave up on the replicas (3 failed starts): say what they raised
         raise StartupError(f"the replicas did not start: {_last_error_line(str(e))}") from None
 

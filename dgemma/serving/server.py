@@ -64,6 +64,8 @@ class ServerSettings:
     cpus_per_replica: float | None = None
     gpus_per_replica: float | None = None
     device: str = "auto"  # --device: whether a replica reserves a GPU by default
+    tensor_parallel: int | None = None  # with replicas: each replica a split server of this many ranks
+    command_line: tuple[str, ...] = ()  # `serve ...` as typed: what a split replica runs again
     # --step-cache and its settings, as SamplingConfig.replace keywords (None keeps generation_config.json's)
     step_cache: dict = field(default_factory=dict)
 
