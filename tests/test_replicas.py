@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.test_server import MODEL, ServerProcess
 
@@ -262,3 +263,12 @@ def test_split_replica_command_drops_the_replica_flags():
     command = split_server_command(argv, 1234)
     assert command[1:] == ["-m", "dgemma", "serve", "--model", "m", "--tensor-parallel=2", "--max-batch", "4",
                            "--host", "127.0.0.1", "--port", "1234"]
+
+
+def test_split_replicas_that_cannot_split_one_line_and_exit_2_before_ray_starts(tiny_model_dir, monkeypatch, capsys):
+    from dgemma.cli import main
+
+    monkeypatch.setattr("ray.init", lambda *a, **k: pytest.fail("Ray started"))
+    assert main(["serve", "--model", str(tiny_model_dir), "--replicas", "2", "--tensor-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tensor-parallel 3 does not divide the 4 attention heads" in err, err
