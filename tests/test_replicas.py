@@ -25,6 +25,18 @@ from tests.test_server import MODEL, ServerProcess
 
 def _replica_pids(root: int) -> list[int]:
     """Ray Serve replica processes below `root` (the `dgemma serve` command: its private Ray instance)."""
+    found = []
+    for pid in _descendants(root):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::ServeReplica"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -33,15 +45,10 @@ def _replica_pids(root: int) -> list[int]:
             except (OSError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
+    found, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if title.startswith(b"ray::ServeReplica"):
-            found.append(pid)
+        found.append(pid)
         todo.extend(children.get(pid, []))
     return found
 
@@ -150,24 +157,6 @@ def test_without_the_ray_extra_one_line_and_exit_2(tiny_model_dir, monkeypatch, 
     assert main(["serve", "--model", str(tiny_model_dir), "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'dgemma[ray]'" in err, err
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below `root`."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def _split_ranks(replica: int) -> dict[int, int]:
