@@ -163,3 +163,30 @@ def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tm
     assert cli.main(solve) in (0, 1)
     assert compiled == [{"shape": engine_shape(1, MAX_LENGTH)}]
     assert "step: compiled (this shape (batch 1, length" in capsys.readouterr().err
+
+
+def test_an_eager_step_ignores_a_compile_on_another_thread(monkeypatch):
+    """torch.compiler.is_compiling() is one flag for the whole process, True on every thread while any thread
+    compiles; a server compiles its step on a thread while its engine thread answers eagerly. The model's
+    compiled-only branches (GELU's form, the fused projections, the head, the experts' routing, the sampler's
+    argmax) ask is_dynamo_compiling instead, so an eager step is the same bits during another thread's compile."""
+    from dgemma.generation import generate
+
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()  # fp32: the GELU forms differ in the last bits
+    L, V = model.config.canvas_length, model.config.vocab_size
+    prompt, canvas = torch.randint(3, V, (2, 8)), torch.randint(3, V, (2, L))
+
+    def step():
+        with torch.no_grad():
+            cache = model.new_cache(2, 8 + L)
+            model.encode(prompt, cache, return_logits=False)
+            logits = model.denoise(canvas, cache)
+        tokens = generate(model, [[5, 6, 7], [8, 9]], model.sampling_config.replace(max_denoising_steps=4), seed=3)
+        return logits, tokens.tokens
+
+    alone = step()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what every thread reads while one compiles
+    assert torch.compiler.is_compiling()
+    during = step()
+    assert torch.equal(during[0], alone[0]) and during[1] == alone[1]

@@ -489,4 +489,4 @@ class FusedLinears:
 
 def fused_inside_graphs(fused: FusedLinears | None) -> bool:
     """Whether to run the one fused matmul: inside a compiled graph, with a fused copy in place."""
-    return fused is not None and fused.weight is not None and torch.compiler.is_compiling()
+    return fused is not None and fused.weight is not None and torch.compiler.is_dynamo_compiling()

@@ -60,7 +60,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (N, H), weights/experts (N, k) -> (N, H): the routing-weighted sum of each token's k experts."""
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
             outputs = self.route(x, experts)
         elif not self.trace_grid:
             outputs = _eager_route(self, x, experts)  # a graph break: the graphs end and resume around it

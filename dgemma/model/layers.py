@@ -33,7 +33,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh approximation. Inside a compiled graph it is written as x * sigmoid(2u), the same
     function as 0.5 x (1 + tanh(u)) (to ~1e-6), because inductor's CPU sigmoid is ~2x faster than its
     tanh; eagerly, torch's one fused kernel is faster than the five ops of that form."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         x32 = x.float()
         return (x32 * torch.sigmoid(_GELU_SCALE * (x32 + 0.044715 * x32 * x32 * x32))).to(x.dtype)
     return F.gelu(x, approximate="tanh")

@@ -380,7 +380,7 @@ class DiffusionGemma(nn.Module):
             logits = F.linear(normed, weight).float()
             return torch.sigmoid(logits * (2.0 / cap)) * (2.0 * cap) - cap
         table = self.int8_table
-        if torch.compiler.is_compiling() or (normed.dtype == torch.float32 and table is None):
+        if torch.compiler.is_dynamo_compiling() or (normed.dtype == torch.float32 and table is None):
             logits = table.logits(normed) if table is not None else F.linear(normed, weight).float()
         else:
             flat = normed.reshape(-1, normed.shape[-1])

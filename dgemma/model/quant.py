@@ -94,7 +94,7 @@ def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: to
     """(q, scales) of `quantize_tensor` -> weights (..., out, in) in `dtype` (computed in fp32, rounded
     once); into `out` when given."""
     global dequantize_calls
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         dequantize_calls += 1
     if fmt == "int4":
         low = (q & 0x0F).to(torch.int8) - 8

@@ -154,7 +154,7 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     into a couple of fused loops (`torch.compile(scan_logits)`).
     """
     x = x.div_(temperature)
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_dynamo_compiling()
     top = x.amax(-1, keepdim=True)
     # compiled, the argmax is the first index holding the max, found as a max of countdown values
     # (V at index 0 .. 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms
