@@ -261,3 +261,13 @@ def test_split_replicas_that_cannot_split_one_line_and_exit_2_before_ray_starts(
     assert main(["serve", "--model", str(tiny_model_dir), "--replicas", "2", "--tensor-parallel", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tensor-parallel 3 does not divide the 4 attention heads" in err, err
+
+
+def test_a_split_server_that_cannot_start_says_why_at_once(monkeypatch):
+    """A replica whose split server's process cannot even start fails its constructor with the reason (Ray
+    Serve reports it), not a wait for a server that will never answer."""
+    from dgemma.serving.split_replica import SplitServer
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(RuntimeError, match="the split server did not start: .*No such file"):
+        SplitServer(["serve", "--model", "m"], threads_per_rank=1, start_timeout=5)

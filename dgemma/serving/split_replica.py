@@ -63,18 +63,25 @@ class SplitServer:
         self.log = Path(tempfile.mkdtemp(prefix="dgemma-split-replica-")) / "stderr"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
         command = split_server_command(argv, self.port)
-        self._started = threading.Event()
+        self._started, self._start_error = threading.Event(), None
         self._thread = threading.Thread(target=self._run, args=(command, env), name="split-server", daemon=True)
         self._thread.start()
         self._started.wait()
+        if self._start_error is not None:
+            raise RuntimeError(f"the split server did not start: {self._start_error}")
         self._wait_until_ready(start_timeout)
 
     def _run(self, command, env):
-        with self.log.open("w") as stderr:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=stderr, env=env, start_new_session=True,
-                                            preexec_fn=end_with_parent)
-        self._started.set()
+        try:
+            with self.log.open("w") as stderr:
+                self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                stderr=stderr, env=env, start_new_session=True,
+                                                preexec_fn=end_with_parent)
+        except (OSError, subprocess.SubprocessError) as e:
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
         self.process.wait()  # this thread ends with the split server, never before (end_with_parent)
 
     def _wait_until_ready(self, timeout: float):
