@@ -415,14 +415,7 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
         ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
-        statuses = set()
-        while split.proc.poll() is None and time.monotonic() - killed < 60:
-            try:
-                statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
-                                        timeout=10).status_code)
-            except httpx.TransportError:
-                statuses.add("refused")
-            time.sleep(0.2)
+        statuses = _statuses_until_it_ends(split, killed, limit=60, timeout=10)
         code = split.proc.wait(5)
         errors = split.proc.stderr.read()
         wait_until(lambda: all(map(gone, ranks)), 90 - (time.monotonic() - killed), "every rank gone")
@@ -432,6 +425,27 @@ def test_served_split_equals_one_process_and_a_killed_rank_stops_it(gemma4_chat_
     assert 503 in statuses and 200 not in statuses, statuses
     assert "dgemma: rank 1 of 2 ended (signal SIGKILL); the other ranks were stopped" in errors, errors
     assert "Traceback" not in errors, errors
+
+
+def _statuses_until_it_ends(split, since: float, limit: float, timeout: float) -> set:
+    """The HTTP statuses of a completion request sent every 0.2 s until the split server's process ends, or
+    `limit` seconds after `since` ("refused" when nothing listens)."""
+    statuses = set()
+    while split.proc.poll() is None and time.monotonic() - since < limit:
+        try:
+            statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
+                                    timeout=timeout).status_code)
+        except httpx.TransportError:
+            statuses.add("refused")
+        time.sleep(0.2)
+    return statuses
+
+
+def _kill_left(pids):
+    """SIGKILL what a test leaves of a split server's ranks."""
+    for pid in pids:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def gone(pid: int) -> bool:
@@ -456,9 +470,7 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_model_dir):
         with pytest.raises(httpx.TransportError):
             split.health()
     finally:
-        for pid in ranks if "ranks" in locals() else ():
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(locals().get("ranks", ()))
         split.stop()
 
 
@@ -474,22 +486,13 @@ def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_
         time.sleep(2 * 1.0)  # a heartbeat or two from every rank
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        statuses = set()
-        while split.proc.poll() is None and time.monotonic() - stopped < 90:
-            try:
-                statuses.add(split.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 16},
-                                        timeout=15).status_code)
-            except httpx.TransportError:
-                statuses.add("refused")
-            time.sleep(0.2)
+        statuses = _statuses_until_it_ends(split, stopped, limit=90, timeout=15)
         code = split.proc.wait(5)
         ended = time.monotonic() - stopped
         errors = split.proc.stderr.read()
         wait_until(lambda: all(map(gone, ranks)), 30, "every rank gone")
     finally:
-        for pid in ranks if "ranks" in locals() else ():
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(locals().get("ranks", ()))
         split.stop()
     assert code not in (0, None) and ended < 60, (code, ended)
     assert 503 in statuses and 200 not in statuses, statuses

@@ -158,9 +158,7 @@ def _run_replicas(args):
         raise UsageError(f"Ray Serve does not import ({e}): pip install 'dgemma[ray]'") from None
     from dgemma.serving.server import StartupError
 
-    _check_arguments(args)
-    if (args.tensor_parallel or 1) > 1:  # each replica a split server: the split's constraints, checked here
-        _tensor_parallel.check_before_launch(args, args.tensor_parallel)
+    _check_replica_arguments(args)
     try:
         return replicas.serve_replicas(settings(args), ModelFromFlags(args))
     except StartupError as e:
@@ -186,10 +184,16 @@ def ray_app(flags: dict):
     args = parser.parse_args(argv)
     args.argv = ["serve", *argv]  # what a split replica runs again
     args.model_name, args.model = args.model, str(resolve_model(args.model, args.revision))
+    _check_replica_arguments(args)
+    return replicas.application(settings(args), ModelFromFlags(args))
+
+
+def _check_replica_arguments(args):
+    """`_check_arguments`, and with --tensor-parallel N the split's constraints: each replica is a split server,
+    and a split that cannot be made is one line before Ray starts."""
     _check_arguments(args)
     if (args.tensor_parallel or 1) > 1:
         _tensor_parallel.check_before_launch(args, args.tensor_parallel)
-    return replicas.application(settings(args), ModelFromFlags(args))
 
 
 def _default_automaton_cache() -> str:

@@ -87,13 +87,11 @@ class SplitServer:
     def _wait_until_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the split server ended (exit code {self.process.returncode}): {self.last_error()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+            problem = self.healthy()
+            if problem is None:
+                return
+            if self.process.poll() is not None:  # ended: it will not answer
+                raise RuntimeError(problem)
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"the split server did not answer within {timeout:g} s: {self.last_error()}")
