@@ -36,6 +36,7 @@ place on a meta-device model (`module.__class__ = ...`, as FSDP2's `fully_shard`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -411,23 +412,35 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
     tp = TensorParallel(group, dist.get_rank(), dist.get_world_size(), timeout_s,
                         compile_group=dist.new_group(dist.get_process_group_ranks(group),
                                                      timeout=timedelta(seconds=timeout_s)))
-    threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
-                     name="dgemma-rank-heartbeat", daemon=True).start()
+    beat = threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
+                            name="dgemma-rank-heartbeat", daemon=True)
+    beat.start()
+    atexit.register(_stop_heartbeat, beat)
     if not _JOINED:
         torch._dynamo.callback.callback_handler.register_start_callback(_compiling_started)
     _JOINED.add(tp)
     return tp
 
 
+_HEARTBEAT_STOP = threading.Event()
+
+
 def _heartbeat(store, rank: int):
     """This rank's stamp in the store every HEARTBEAT_S, for as long as the process runs (and is not stopped)."""
     key = f"dgemma/alive/{rank}"
-    while True:
+    while not _HEARTBEAT_STOP.is_set():
         try:
             store.set(key, repr(time.time()))
         except Exception:  # the store went away with the group: nothing more to stamp
             return
-        time.sleep(HEARTBEAT_S)
+        _HEARTBEAT_STOP.wait(HEARTBEAT_S)
+
+
+def _stop_heartbeat(beat: threading.Thread):
+    """At exit, while torch's C++ objects still stand: the heartbeat ends, so that no stamp is in flight in the
+    store's client while the interpreter tears the store and the group down."""
+    _HEARTBEAT_STOP.set()
+    beat.join(HEARTBEAT_S + 1)
 
 
 def describe_failure(error: BaseException) -> str:
