@@ -8,7 +8,8 @@
 
     python benchmarks/step_cache.py sudoku --file DIR/test_medium.txt [--limit N] [--batch 32] [--plot out.png]
         Cache on against off on sudoku test puzzles (the shipped model unless --model; single shot, eager,
-        through the engine as `dgemma sudoku eval`): solved with the 95% Wilson interval, denoising steps,
+        through the engine as `dgemma sudoku eval`): solved with the 95% Wilson interval, the puzzles lost and
+        gained against cache off (paired: the same seed per puzzle), denoising steps,
         decoder positions and wall time per puzzle, side by side in one run; --plot draws the mean active
         positions per running row by step.
         --setting SETTLE_STEPS,PROBABILITY,REFRESH (repeatable) picks the cache settings (default 2,0.99,0).
@@ -102,7 +103,7 @@ def sudoku_bench(args) -> dict:
     from dgemma.commands.sudoku import SHIPPED
     from dgemma.model import load_model
     from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_eval import evaluate, sudoku_sampling
+    from dgemma.tasks.sudoku_eval import answer_grid, evaluate, sudoku_sampling
 
     model = load_model(args.model or SHIPPED, dtype=torch.float32)
     examples, _ = sudoku.read_puzzle_file(args.file)
@@ -121,18 +122,24 @@ def sudoku_bench(args) -> dict:
         evaluation = evaluate(model, puzzles, batch=args.batch, sampling=sampling, seed=args.seed)
         d, sc = evaluation.decoding, evaluation.scores
         active = {s: sum(c) / len(c) for s, c in sorted(recorder.by_step.items())}
+        each = [sudoku.score([p], [answer_grid(a)])["solved"] for p, a in zip(puzzles, evaluation.answers)]
         rows.append({"system": name, "solved": sc["solved"], "total": sc["total"], "ci95": list(sc["ci95"]),
+                     "each": each,
                      "decoder_positions_per_puzzle": d["decoder_positions_per_puzzle"],
                      "seconds_per_puzzle": d["seconds_per_puzzle"], "mean_denoising_steps": d["mean_denoising_steps"],
                      "active_by_step": active})
     off = rows[0]
     print(f"{len(puzzles)} puzzles from {args.file}, engine batch {args.batch}, {torch.get_num_threads()} threads")
-    print(f"{'system':<22} {'solved':>9} {'95% Wilson':>14} {'steps':>6} {'positions':>9} {'/ off':>6} "
-          f"{'s/puzzle':>9} {'/ off':>6}")
+    print(f"{'system':<22} {'solved':>9} {'95% Wilson':>14} {'lost':>5} {'gained':>6} {'steps':>6} {'positions':>9} "
+          f"{'/ off':>6} {'s/puzzle':>9} {'/ off':>6}")
     for r in rows:
         r["time_ratio"] = r["seconds_per_puzzle"] / off["seconds_per_puzzle"]
         r["positions_ratio"] = r["decoder_positions_per_puzzle"] / off["decoder_positions_per_puzzle"]
+        # paired with cache off (the same seed per puzzle): puzzles it solves that cache off does not, and back
+        r["lost"] = sum(a and not b for a, b in zip(off["each"], r["each"]))
+        r["gained"] = sum(b and not a for a, b in zip(off["each"], r["each"]))
         print(f"{r['system']:<22} {r['solved']:>4}/{r['total']:<4} [{100 * r['ci95'][0]:5.1f},{100 * r['ci95'][1]:5.1f}]"
+              f" {r['lost']:>5} {r['gained']:>6}"
               f" {r['mean_denoising_steps']:>6.1f} {r['decoder_positions_per_puzzle']:>9.0f} {r['positions_ratio']:>6.2f}"
               f" {r['seconds_per_puzzle']:>9.3f} {r['time_ratio']:>6.2f}")
     if args.plot:
