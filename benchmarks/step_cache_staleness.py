@@ -82,6 +82,10 @@ def main():
     p.add_argument("--system", action="append", default=None,
                    help="off, cache, fresh-kv, fresh-kv@M, fresh-logits (repeatable; default: all of them, M = 1, 3, 5)")
     args = p.parse_args()
+    for system in args.system or []:
+        depth = system.split("@", 1)[1] if system.startswith("fresh-kv@") else None
+        if system not in ("off", "cache", "fresh-kv", "fresh-logits") and not (depth and depth.isdigit()):
+            p.error(f"--system: expected off, cache, fresh-kv, fresh-kv@M or fresh-logits, not {system!r}")
 
     from dgemma.commands.sudoku import SHIPPED
     from dgemma.generation import generate
