@@ -122,7 +122,7 @@ def sudoku_bench(args) -> dict:
         evaluation = evaluate(model, puzzles, batch=args.batch, sampling=sampling, seed=args.seed)
         d, sc = evaluation.decoding, evaluation.scores
         active = {s: sum(c) / len(c) for s, c in sorted(recorder.by_step.items())}
-        each = [sudoku.score([p], [answer_grid(a)])["solved"] for p, a in zip(puzzles, evaluation.answers)]
+        each = [sudoku.is_valid_solution(p, answer_grid(a)) for p, a in zip(puzzles, evaluation.answers)]
         rows.append({"system": name, "solved": sc["solved"], "total": sc["total"], "ci95": list(sc["ci95"]),
                      "each": each,
                      "decoder_positions_per_puzzle": d["decoder_positions_per_puzzle"],

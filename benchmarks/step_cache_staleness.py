@@ -32,22 +32,23 @@ from dgemma.generation.step_cache import StepCache
 CHUNK = 16
 
 
-def _kept_slots(cache, length: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Copies of every layer's canvas slots (keys, values or None), each (rows, Hkv, L, D)."""
+def _kept_slots(cache, length: int, below_layer: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Copies of the canvas slots (keys, values or None) of layers < below_layer, each (rows, Hkv, L, D)."""
     return [(k[:, :, :length].clone(), None if v is None else v[:, :, :length].clone())
-            for k, v in zip(cache.keys, cache.values)]
+            for k, v in zip(cache.keys[:below_layer], cache.values[:below_layer])]
 
 
-def _put_back(cache, kept, below_layer: int, settled: torch.Tensor):
-    """Write the kept entries of the settled positions (B, L) back into layers < below_layer."""
+def _put_back(cache, kept, settled: torch.Tensor):
+    """Write the kept entries (`_kept_slots`) of the settled positions (B, L) back into their layers."""
     where = settled[:, None, :, None]
     length = settled.shape[1]
-    for i, ((k, v), (old_k, old_v)) in enumerate(zip(zip(cache.keys, cache.values), kept)):
-        if i >= below_layer:
-            break
+    for (k, v), (old_k, old_v) in zip(zip(cache.keys, cache.values), kept):
         k[:, :, :length] = torch.where(where, old_k, k[:, :, :length])
         if v is not None:
             v[:, :, :length] = torch.where(where, old_v, v[:, :, :length])
+
+
+_ORIGINAL = StepCache.logits_for
 
 
 def install(system: str, num_layers: int):
@@ -60,17 +61,14 @@ def install(system: str, num_layers: int):
 
     def logits_for(step_cache, model, canvas, cache, done, *, self_conditioning=None, rows=None):
         settled = ~step_cache.active(done) & ~done[:, None]
-        kept = _kept_slots(cache, canvas.shape[1])
+        kept = _kept_slots(cache, canvas.shape[1], kept_below)
         # the whole canvas as it is now: every position's fresh keys/values go into the slots
         whole = model.denoise(canvas, cache, self_conditioning=self_conditioning).clone()
-        _put_back(cache, kept, kept_below, settled)
+        _put_back(cache, kept, settled)
         logits = _ORIGINAL(step_cache, model, canvas, cache, done, self_conditioning=self_conditioning, rows=rows)
         return torch.where(settled[..., None], whole, logits) if fresh_logits else logits
 
     StepCache.logits_for = logits_for
-
-
-_ORIGINAL = StepCache.logits_for
 
 
 def main():
@@ -108,7 +106,7 @@ def main():
         for start in range(0, len(examples), CHUNK):
             chunk = examples[start : start + CHUNK]
             out = generate(model, [sudoku.encode_prompt(e.puzzle) for e in chunk],
-                                  base if system == "off" else cached, seed=start)
+                           base if system == "off" else cached, seed=start)
             solved += sudoku.score([e.puzzle for e in chunk], [answer_grid(t) for t in out.tokens])["solved"]
         low, high = sudoku.wilson_interval(solved, len(examples))
         rows.append({"system": system, "solved": solved, "total": len(examples), "ci95": [low, high]})
