@@ -461,7 +461,7 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_model_dir):
     ranks end by themselves (the kernel's parent-death signal) within 30 s, and nothing answers on the port."""
     from test_server import ServerProcess
 
-    split = ServerProcess(tiny_model_dir, "--tensor-parallel", "2")
+    split, ranks = ServerProcess(tiny_model_dir, "--tensor-parallel", "2"), []
     try:
         ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
         assert split.health()["status"] == "ok"
@@ -470,7 +470,7 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_model_dir):
         with pytest.raises(httpx.TransportError):
             split.health()
     finally:
-        _kill_left(locals().get("ranks", ()))
+        _kill_left(ranks)
         split.stop()
 
 
@@ -480,7 +480,7 @@ def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_
     process is gone soon after, the stopped one too."""
     from test_server import ServerProcess
 
-    split = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2", "--rank-timeout", "5")
+    split, ranks = ServerProcess(gemma4_chat_model_dir, "--tensor-parallel", "2", "--rank-timeout", "5"), []
     try:
         ranks = [_rank_pid(split.pid, r) for r in (0, 1)]
         time.sleep(2 * 1.0)  # a heartbeat or two from every rank
@@ -492,7 +492,7 @@ def test_a_hung_rank_ends_the_split_server_within_the_timeout(gemma4_chat_model_
         errors = split.proc.stderr.read()
         wait_until(lambda: all(map(gone, ranks)), 30, "every rank gone")
     finally:
-        _kill_left(locals().get("ranks", ()))
+        _kill_left(ranks)
         split.stop()
     assert code not in (0, None) and ended < 60, (code, ended)
     assert 503 in statuses and 200 not in statuses, statuses
