@@ -49,7 +49,7 @@ from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
 from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.denoising import CanvasDenoising
-from dgemma.generation.step_cache import packed_step
+from dgemma.generation.step_cache import active_counts, packed_step
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.sampling import seed_or_random
 from dgemma.sampling.sampler import scan_logits
@@ -370,10 +370,11 @@ class Engine:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
                 # sampler left it in the buffer), kept as an embedding so the buffer can go
                 st.soft = self.runner.soft_embedding(logits[i][0])
-            if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
+            if r.want_drafts:  # streaming drafts reads them: two more reads for such a request (three with the cache)
+                kept = None if denoising.step_cache is None else host_read(denoising.step_cache.kept[0], "drafts")
                 st.emit(Event("draft", r.request_id, st.canvas_index, step=denoising.step_index - 1,
                               tokens=list(st.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
-                              accepted=host_read(result.accepted[0], "drafts")))
+                              accepted=host_read(result.accepted[0], "drafts"), settled=kept))
             if denoising.finished:
                 finished_canvases.append(r)
         del logits, pending
@@ -381,36 +382,46 @@ class Engine:
             self._commit(finished_canvases)
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
-        """Each generating row's logits (1, L, V) for this step: rows without the step cache from one decoder
-        forward over their whole canvases (views of its one big buffer); rows with it from one forward over
-        their active positions, packed (one more host read: how many each row has; dgemma.generation.step_cache)."""
+        """Each generating row's logits (1, L, V) for this step: rows whose whole canvas runs (no step cache, or a
+        step cache's step where every position runs) from one decoder forward over their canvases (views of its
+        one big buffer); the other rows with the step cache from one forward over their active positions,
+        packed (one more host read: how many each row has; dgemma.generation.step_cache)."""
         out: list[torch.Tensor | None] = [None] * len(batch)
-        whole = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is None]
+        L = self.canvas_length
+        for r in batch:
+            r.state.whole_canvas_positions += L
         cached = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is not None]
+        actives, counts = active_counts([batch[i].state.denoising.step_cache for i in cached],
+                                        [batch[i].state.denoising.done for i in cached]) if cached else ([], [])
+        runs_whole = {i for i, count in zip(cached, counts) if count == L}
+        whole = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is None or i in runs_whole]
+        packed = [(i, active, count) for i, active, count in zip(cached, actives, counts) if count != L]
         if whole:
             logits = self.runner.denoise([batch[i].state.row for i in whole],
                                          torch.cat([batch[i].state.denoising.canvas for i in whole]),
                                          [batch[i].state.soft for i in whole])  # (n, L, V)
             self.forwards += 1
             for j, i in enumerate(whole):
-                out[i] = logits[j : j + 1]
-                batch[i].state.decoder_positions += self.canvas_length
-        counts = []
-        if cached:
-            states = [batch[i].state for i in cached]
+                st = batch[i].state
+                step_cache = st.denoising.step_cache
+                out[i] = logits[j : j + 1] if step_cache is None else step_cache.record_whole(
+                    logits[j : j + 1], st.denoising.canvas)
+                st.decoder_positions += L
+        if packed:
+            states = [batch[i].state for i, _, _ in packed]
 
-            def forward(active, row_counts):
+            def forward(active, row_counts, read):
                 self.forwards += 1
                 return self.runner.denoise_positions([st.row for st in states], torch.cat(
-                    [st.denoising.canvas for st in states]), [st.soft for st in states], active, row_counts)
+                    [st.denoising.canvas for st in states]), [st.soft for st in states], active, row_counts, read)
 
-            step_logits, counts = packed_step([st.denoising.step_cache for st in states],
-                                              [st.denoising.canvas for st in states],
-                                              [st.denoising.done for st in states], forward)
-            for i, st, logits, count in zip(cached, states, step_logits, counts):  # one row a request
+            step_logits = packed_step([st.denoising.step_cache for st in states],
+                                      [st.denoising.canvas for st in states], [active for _, active, _ in packed],
+                                      [count for _, _, count in packed], forward)
+            for (i, _, count), st, logits in zip(packed, states, step_logits):  # one row a request
                 out[i] = logits
                 st.decoder_positions += count
-        self.decoder_positions += len(whole) * self.canvas_length + sum(counts)
+        self.decoder_positions += len(whole) * L + sum(count for _, _, count in packed)
         return out
 
     def _commit(self, requests: list[Request]):

@@ -37,6 +37,7 @@ class PendingStep:
     scanned: ScannedStep
     probs: torch.Tensor  # (B, L, V): softmax(logits / T), in the logits buffer
     stop: torch.Tensor  # (B,) bool: the stop rule's verdict for each row
+    temperature: float = 1.0  # the step's: `probs` are at it
 
     @property
     def drawn_count(self) -> torch.Tensor:
@@ -74,7 +75,7 @@ class CanvasDenoising:
         self.step_index = 0  # steps run on this canvas
         self.history = new_argmax_history(sampling.stability_threshold, *shape, device)
         self.chosen: dict[int, torch.Tensor] = {}  # constrained rows: the (L,) canvas each commits
-        self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device)
+        self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device, generator)
                            if sampling.step_cache else None)
 
     @property
@@ -103,7 +104,7 @@ class CanvasDenoising:
                                                                                   scanned.argmax)
         stop, self.history = adaptive_stop(self.history, self.argmax, scanned.entropy, s.confidence_threshold,
                                            self.fixed)
-        return PendingStep(scanned, logits, stop)
+        return PendingStep(scanned, logits, stop, temperature)
 
     def advance(self, pending: PendingStep, stop_rows: list[int], drawn: int) -> ScannedStep:
         """Draw the samples (`drawn` positions in all, as read with `stop_rows`), re-noise the rest, let
@@ -119,7 +120,8 @@ class CanvasDenoising:
         self.canvas = result.canvas if not any(was_done) else torch.where(self.done[:, None], self.canvas,
                                                                            result.canvas)
         if self.step_cache is not None:
-            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done)
+            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done,
+                                   pending.temperature)
         if not self.sampling.fixed_steps:
             self.done |= pending.stop
             self.done_rows = [d or bool(s) for d, s in zip(self.done_rows, stop_rows)]

@@ -51,7 +51,8 @@ class PackedPositions:
         device = active.device
         if counts is None:
             counts = host_read(active.sum(dim=1), "active positions per row")
-        rows, index = active.nonzero(as_tuple=True)  # row-major: row after row, canvas order within a row
+        # row-major: row after row, canvas order within a row; the count known, nonzero_static does not wait
+        rows, index = torch.nonzero_static(active, size=sum(counts)).unbind(1)
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
