@@ -17,6 +17,7 @@ from dgemma.commands._common import (
     add_model_arguments,
     add_prefix_cache_arguments,
     add_sampling_arguments,
+    decoder_positions_text,
     load_from_args,
     prefix_cache_bytes,
     sampling_from_args,
@@ -163,6 +164,9 @@ def run(args):
             engine.run_until_done([request])
         reply = printer.finish()
         out.print()
+        if budget.step_cache:
+            console.print(f"[{decoder_positions_text(request.stats())} with the step cache]", style="dim",
+                          markup=False, highlight=False)
         messages.append({"role": "assistant", "content": reply})
         last = (prompt, prompt_text, None if printer.thought else request.tokens)
         turn += 1

@@ -18,6 +18,7 @@ from dgemma.commands._common import (
     maybe_compile,
     prefix_cache_bytes,
     read_prompt,
+    decoder_positions_text,
     refuse_step_cache_with_ar,
     sampling_from_args,
 )
@@ -206,8 +207,9 @@ def run(args):
                           **stats}))
     else:
         print()
+        saved = f"{decoder_positions_text(stats)} with the step cache, " if request.sampling.step_cache else ""
         print(f"[{len(request.tokens)} tokens, {stats['canvases']} canvases, steps {stats['steps_per_canvas']}, "
-              f"{stats['tokens_per_forward']:.1f} tokens/forward, {stats['tokens_per_second']:.1f} tokens/s, "
+              f"{stats['tokens_per_forward']:.1f} tokens/forward, {saved}{stats['tokens_per_second']:.1f} tokens/s, "
               f"finish: {request.finish_reason}]", file=sys.stderr)
     return 0
 

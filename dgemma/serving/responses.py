@@ -208,6 +208,9 @@ class Draft(Body):
     pieces: list[str]
     entropy: list[float]
     accepted: list[bool]
+    settled: list[bool] | None = Field(None, description="with step_cache: the positions this step kept (their "
+                                                         "logits and keys/values from an earlier step) instead of "
+                                                         "running them through the decoder")
 
 
 class ChatDelta(Body):
