@@ -157,7 +157,10 @@ class StepCache:
     def _to_refresh(self) -> torch.Tensor:
         """(B, L) bool: per row, as many settled positions as the smallest set of them holding `share` of the
         attention the last step put on settled positions, chosen by `order`. On the device, no read."""
-        mass = torch.where(self.settled, self.read, torch.zeros_like(self.read))
+        # the read rounded to bfloat16's 8 bits: its float sums differ in their last bits with the shape of the
+        # batch a row ran in, and a row must pick the same positions alone or beside others (ties: canvas order)
+        read = self.read.to(torch.bfloat16).float()
+        mass = torch.where(self.settled, read, torch.zeros_like(read))
         ranked = mass.sort(dim=1, descending=True).values
         before = ranked.cumsum(dim=1) - ranked  # the mass of the positions ranked above each
         count = ((before < self.share * ranked.sum(dim=1, keepdim=True)) & (ranked > 0)).sum(dim=1, keepdim=True)
