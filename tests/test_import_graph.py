@@ -105,6 +105,14 @@ def test_only_the_server_and_its_command_import_dgemma_serving():
     assert {name: found for name, found in outside.items() if found} == {}
 
 
+def test_the_server_knows_no_task():
+    """dgemma serve's command reads the model's task and hands the server its codec (ServerSettings.codec): nothing
+    in dgemma/serving imports dgemma.tasks."""
+    found = {name: sorted(m for m in imports if m == "dgemma.tasks" or m.startswith("dgemma.tasks."))
+             for name, imports in import_graph().items() if name.startswith("dgemma.serving")}
+    assert {name: tasks for name, tasks in found.items() if tasks} == {}
+
+
 def test_no_import_circles():
     assert _circles(import_graph()) == []
 
