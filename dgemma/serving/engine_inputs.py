@@ -3,7 +3,7 @@ config (the model's defaults with the request's overrides), the token automaton 
 of its n choices, and a chat request's messages, template variables and images as the template reads them.
 
 A request field the engine cannot take as asked (a length that does not fit the context, a schema outside the
-supported subset, an adapter with the step cache) is a 400 that names it (errors.py). Running the engine
+supported subset, the step cache on a model that refuses it) is a 400 that names it (errors.py). Running the engine
 requests and turning their tokens into answers is completions.py's.
 """
 
@@ -57,9 +57,8 @@ def sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | 
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
-    if body.step_cache and state.adapters:
-        raise bad_request("step_cache: this server serves LoRA adapters, which the step cache does not work with yet",
-                          param="step_cache")
+    if body.step_cache and state.worker.model.step_cache_refusal() is not None:
+        raise bad_request(f"step_cache: {state.worker.model.step_cache_refusal()}", param="step_cache")
     overrides = {field: getattr(body, name) for name, field in SAMPLING_OVERRIDES.items()}
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, eos_token_ids=eos, **overrides)
