@@ -6,8 +6,8 @@ graceful stop (`serve`).
 command decides it and hands the server a `CodecFactory` (the server knows no task; it reads prompts and
 writes answers through the codec). How the model itself runs (device, dtype, quantisation, compiling, the
 prefix cache's budget) is decided by flags every generating command shares, so the command hands that in as
-a `ModelLoader`. A setting the model cannot take (a LoRA adapter
-that does not fit it, an address that cannot be listened on) is a `StartupError`: one line, exit code 2.
+a `ModelLoader`. A setting the model cannot take (a LoRA adapter that does not fit it, an address that cannot
+be listened on) is a `StartupError`: one line, exit code 2.
 """
 
 from __future__ import annotations
