@@ -327,33 +327,17 @@ def add_prefix_cache_arguments(p):
                         "some cost in speed")
 
 
-def free_memory_bytes(device) -> int:
-    """Memory free for new tensors on the model's device: CUDA's free memory, else the host's available
-    memory (`devices.available_host_memory`)."""
-    import torch
-
-    from dgemma import devices
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return devices.available_host_memory()
-
-
 def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
-    """The prefix cache's budget from --prefix-cache-gib, or the default, said on stderr when `say`."""
+    """The prefix cache's budget from --prefix-cache-gib, or the library's default
+    (`dgemma.engine.prefix_cache.default_budget`), said on stderr when `say`."""
+    from dgemma.engine.prefix_cache import default_budget
+
     if args.prefix_cache_gib is not None:
         return int(args.prefix_cache_gib * 2**30)
-    budget = min(free_memory_bytes(model.device) // 4, 16 << 30)
-    tp = getattr(args, "tp", None)
-    if tp is not None:  # the ranks of a split model hold the same blocks: every rank takes the smallest budget
-        import torch
-        import torch.distributed as dist
-
-        smallest = torch.tensor([budget], dtype=torch.int64, device=model.device)
-        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp.group)
-        budget = int(smallest.item())
+    budget = default_budget(model)  # on a split model, a collective: every rank asks
     if say:
-        memory = "a quarter of the free memory" + (", the smallest over the ranks" if tp is not None else "")
+        split = getattr(model, "tp", None) is not None
+        memory = "a quarter of the free memory" + (", the smallest over the ranks" if split else "")
         print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB ({memory}; "
               f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
     return budget
