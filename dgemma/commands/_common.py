@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -153,11 +154,6 @@ def compile_mode(args, model) -> str:
     return policy.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
 
 
-def engine_shape(max_batch: int, max_length: int) -> str:
-    """The label of an engine's shape for the compile cache's warm marker (`policy.warm_key`)."""
-    return f"batch {max_batch}, length {max_length}"
-
-
 def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
     """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
     every rank, which compile alike), after one line on stderr that says the choice and why ("step: eager
@@ -306,6 +302,37 @@ def read_prompt(text: str | None) -> str:
     if not text.strip():
         raise UsageError("the prompt is empty")
     return text
+
+
+@contextlib.contextmanager
+def image_usage_errors(what: str = ""):
+    """An image the user gave that cannot be used (`dgemma.images.ImageError` inside) is a usage error: one
+    line, `what` before the reason, exit code 2."""
+    from dgemma.images import ImageError
+
+    try:
+        yield
+    except ImageError as e:
+        raise UsageError(f"{what}{e}") from None
+
+
+def open_images(paths: list[str]) -> list:
+    """Image files (--image, chat's /image) as RGB images; an unusable one is a usage error naming it."""
+    from dgemma.images import open_image
+
+    images = []
+    for path in paths:
+        with image_usage_errors(f"--image {path}: "):
+            images.append(open_image(path))
+    return images
+
+
+def with_images(model, folder, prompt: list[int], images: list):
+    """The prompt with its image placeholders expanded, and the images' inputs (None without images)."""
+    from dgemma.images import ImageProcessor, prompt_with_images
+
+    with image_usage_errors():
+        return prompt_with_images(prompt, images, ImageProcessor.from_folder(folder), model.config)
 
 
 def add_prefix_cache_arguments(p):
