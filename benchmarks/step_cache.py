@@ -100,7 +100,7 @@ class _Recorder:
 
 def sudoku_bench(args) -> dict:
     """Through the engine, as `dgemma sudoku eval` (single shot, eager): one evaluation per system."""
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.weights.hub import load_model
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, evaluate, sudoku_sampling
