@@ -145,6 +145,7 @@ HOUSE = ("config", "devices", "device_sync", "processes", "tokenizer", "images",
          "quant", "compilation", "weights", "parallel",  # what is done to the network: kernels, compiling, files, ranks
          "sampling", "structured", "generation", "engine",  # generating
          "chat", "tasks", "training", "serving",  # the users of generation
+         "benchmarking",  # what `dgemma bench` measures with
          "commands", "cli", "__main__")
 # Old import paths kept for one release with a DeprecationWarning (CHANGELOG.md): they point up on purpose.
 DEPRECATED_ALIASES = {"dgemma.model.parallel", "dgemma.model.parallel_load"}
