@@ -174,6 +174,22 @@ def test_the_model_room_holds_the_network_alone():
     assert found == []
 
 
+# Rules written once: each pattern may appear only in the file that defines the rule.
+ONE_DEFINITION = {
+    "% GROUP_SIZE[": "dgemma/quant/quantize.py",  # the int8/int4 group size and its fallback (`group_size`)
+    "step cache does not work with": ("dgemma/model/network.py", "dgemma/parallel/modules.py"),  # step_cache_refusal
+    "/ GROUP_SIZE[": "dgemma/quant/quantize.py",  # a weight's share of its group's scale (`bytes_per_weight`)
+}
+
+
+def test_rules_written_once_stay_where_they_are_defined():
+    found = sorted(f"{path.relative_to(ROOT.parent)}: {pattern}" for path in ROOT.rglob("*.py")
+                   for pattern, home in ONE_DEFINITION.items()
+                   if pattern in path.read_text() and str(path.relative_to(ROOT.parent)) not in (
+                       home if isinstance(home, tuple) else (home,)))
+    assert found == []
+
+
 # -- what tests and benchmarks take from the commands, and the rules they share with the package -------------
 REPO = ROOT.parent
 OUTSIDE = ("tests", "benchmarks", "scripts")  # the folders beside the package that import it
@@ -239,4 +255,3 @@ def test_resident_memory_is_read_in_one_place():
     found = sorted(f"{path.relative_to(REPO)}: {text!r}" for path in paths if path != ROOT / "processes.py"
                    for text in _code_strings(ast.parse(path.read_text())) if any(r in text for r in RSS_READS))
     assert found == []
-

@@ -14,9 +14,9 @@ from dgemma.commands._common import (
     add_revision_argument,
     apply_int8_compute,
     denoising_overrides,
-    refuse_step_cache_with_ar,
     maybe_compile,
     plot_file,
+    refuse_step_cache_with_ar,
 )
 from dgemma.tasks.sudoku_models import SHIPPED, SHIPPED_AR
 

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from dgemma.tasks import sudoku
-from dgemma.tasks.sudoku_grid import random_transform
+from dgemma.tasks.sudoku_symmetry import random_transform
 
 
 def set_sizes(per_bucket: int, validation: int, minimal: int | None = None,
