@@ -142,10 +142,10 @@ def family(fields: dict | None) -> str:
 def sudoku_bench(args) -> dict:
     """Through the engine, as `dgemma sudoku eval` (single shot, eager): one evaluation per model, setting and
     seed; each model's cache-off run is the paired reference (the same seed per puzzle)."""
-    from dgemma.commands.sudoku import SHIPPED
-    from dgemma.weights.hub import load_model
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, evaluate, sudoku_sampling
+    from dgemma.tasks.sudoku_models import SHIPPED
+    from dgemma.weights.hub import load_model
 
     examples, _ = sudoku.read_puzzle_file(args.file)
     puzzles = [e.puzzle for e in examples if e is not None][: args.limit]
