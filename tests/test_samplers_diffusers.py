@@ -185,3 +185,151 @@ def test_corrector_sweeps_match_diffusers(shared_draws, selection):
         assert torch.equal(ours.argmax, logits.argmax(-1))
         torch.testing.assert_close(ours.entropy, torch.distributions.Categorical(logits=logits).entropy())
         canvas = ours.canvas
+
+
+# -- the whole pipeline: diffusers' DiffusionGemmaPipeline against dgemma's loop ----------------------------
+EOS = 127
+
+
+class PromptProcessor:
+    """The processor the pipeline asks for, holding token ids instead of a chat template: left-padded prompts."""
+
+    def __init__(self, prompts: list[list[int]]):
+        from dgemma.generation import left_pad
+
+        self.ids, self.mask = left_pad(prompts, 0, "cpu")
+        self.tokenizer, self.eos_token_id = self, EOS
+
+    def apply_chat_template(self, messages, **kwargs):
+        return {"input_ids": self.ids, "attention_mask": self.mask.long()}
+
+
+def run_pipeline(hf, scheduler, prompts, *, steps: int, canvases: int, seed: int, temperature: float = 0.0):
+    """diffusers' pipeline with its multinomial draws routed to dgemma's (see `shared_draws`): -> (its output
+    sequences, the canvas each decoder forward read, the last step's logits of each canvas)."""
+    from diffusers import DiffusionGemmaPipeline
+
+    pipe = DiffusionGemmaPipeline(model=hf, scheduler=scheduler, processor=PromptProcessor(prompts))
+    pipe.set_progress_bar_config(disable=True)
+    inputs = []
+    handle = hf.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(kwargs["decoder_input_ids"].clone()),
+                                          with_kwargs=True)
+    try:
+        out = pipe(prompt=["-"] * len(prompts), gen_length=canvases * hf.config.canvas_length,
+                   num_inference_steps=steps, temperature=temperature, output_type="seq",
+                   generator=torch.Generator().manual_seed(seed))
+    finally:
+        handle.remove()
+    return out.sequences, inputs
+
+
+def run_dgemma(model, prompts, sampling, seed):
+    from dgemma.generation import generate
+
+    inputs = []
+    denoise = model.denoise
+    model.denoise = lambda canvas, *a, **kw: inputs.append(canvas.clone()) or denoise(canvas, *a, **kw)
+    try:
+        return generate(model, prompts, sampling, seed=seed), inputs
+    finally:
+        model.denoise = denoise
+
+
+def assert_same_inputs(inputs, expected_inputs, ours, steps: int):
+    """Each forward read the same canvas in both, row by row while the row was generating (dgemma stops
+    denoising a row after its EOS; the pipeline runs it on)."""
+    assert len(inputs) == len(expected_inputs)
+    for forward, (a, b) in enumerate(zip(inputs, expected_inputs)):
+        for row, canvases in enumerate(ours.steps_per_canvas):
+            if forward // steps < len(canvases):
+                assert torch.equal(a[row], b[row]), f"forward {forward}, row {row}"
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    """transformers' DiffusionGemmaForBlockDiffusion with every tensor perturbed, and dgemma's model loaded
+    from the folder it saved."""
+    import dgemma
+    from tests.conftest import make_hf_model
+
+    hf = make_hf_model("alternating", canvas_length=16, seed=3)
+    folder = tmp_path_factory.mktemp("pipeline-model")
+    hf.save_pretrained(folder)
+    return hf, dgemma.load_model(folder)
+
+
+PROMPTS = [[2, 10, 11, 12, 13, 14], [2, 20, 21]]
+
+
+@pytest.mark.parametrize("sampler, scheduler_config, fields, temperature", [
+    ("block-refinement", dict(threshold=0.9, editing_threshold=0.5), dict(commit_threshold=0.9, editing_threshold=0.5),
+     1.0),
+    ("block-refinement", dict(), dict(), 0.0),
+    ("ddim", dict(), dict(), 0.7),
+    ("ddim", dict(corrector_steps=1, corrector_k=3), dict(corrector_steps=1, corrector_k=3), 1.0),
+])
+def test_pipeline_and_dgemma_commit_the_same_tokens(shared_draws, random_pair, sampler, scheduler_config, fields,
+                                                    temperature):
+    """Block refinement and DDIM commit their canvas, as the pipeline does: over three canvases the two read the
+    same canvas at every forward (so the same logits, self-conditioning and draws) and commit the same tokens."""
+    from diffusers import BlockRefinementScheduler, DiscreteDDIMScheduler
+
+    from dgemma.config import SamplingConfig
+
+    hf, model = random_pair
+    scheduler = {"block-refinement": BlockRefinementScheduler, "ddim": DiscreteDDIMScheduler}[sampler](**scheduler_config)
+    steps, canvases, L = 7, 3, 16
+    expected, expected_inputs = run_pipeline(hf, scheduler, PROMPTS, steps=steps, canvases=canvases, seed=5,
+                                             temperature=temperature)
+    sampling = SamplingConfig(sampler=sampler, max_denoising_steps=steps, max_new_tokens=canvases * L,
+                              eos_token_ids=(EOS,), pad_token_id=0, temperature=temperature, **fields)
+    ours, inputs = run_dgemma(model, PROMPTS, sampling, seed=5)
+    assert len(inputs) == len(expected_inputs) == steps * ours.num_canvases
+    assert_same_inputs(inputs, expected_inputs, ours, steps)
+    for row in range(len(PROMPTS)):
+        assert ours.tokens[row] + [EOS] * (ours.finish_reasons[row] == "stop") == until_eos(expected[row].tolist())
+
+
+def test_pipeline_and_dgemma_take_the_same_entropy_bound_steps(shared_draws, random_pair):
+    """The entropy bound: every forward of a canvas reads the same canvas in both (the same temperatures,
+    acceptances, draws and self-conditioning). At the end of a canvas that used all its steps dgemma commits the
+    argmax of the last step, as transformers' loop does, where the pipeline commits its last sampled canvas
+    (accepted samples, noise elsewhere); so the runs are compared one canvas long."""
+    from diffusers import EntropyBoundScheduler
+
+    from dgemma.config import SamplingConfig
+
+    hf, model = random_pair
+    steps = 6
+    scheduler = EntropyBoundScheduler(entropy_bound=1.0, t_max=0.9, t_min=0.5)
+    expected, expected_inputs = run_pipeline(hf, scheduler, PROMPTS, steps=steps, canvases=1, seed=2)
+    sampling = SamplingConfig(max_denoising_steps=steps, max_new_tokens=16, eos_token_ids=(EOS,), pad_token_id=0,
+                              entropy_bound=1.0, t_max=0.9, t_min=0.5)
+    ours, inputs = run_dgemma(model, PROMPTS, sampling, seed=2)
+    assert len(inputs) == len(expected_inputs) == steps
+    assert_same_inputs(inputs, expected_inputs, ours, steps)
+
+
+def test_pipeline_and_dgemma_commit_the_same_entropy_bound_canvases(shared_draws, random_pair):
+    """Where the entropy bound accepts every position and its temperature leaves one token per position, the
+    pipeline's last canvas is the argmax canvas dgemma commits: three canvases in a row agree, the cache of
+    committed canvases and the stop rule included."""
+    from diffusers import EntropyBoundScheduler
+
+    from dgemma.config import SamplingConfig
+
+    hf, model = random_pair
+    steps, canvases = 5, 3
+    scheduler = EntropyBoundScheduler(entropy_bound=1e6, t_max=2e-4, t_min=1e-4)
+    expected, expected_inputs = run_pipeline(hf, scheduler, PROMPTS, steps=steps, canvases=canvases, seed=4)
+    sampling = SamplingConfig(max_denoising_steps=steps, max_new_tokens=canvases * 16, eos_token_ids=(EOS,),
+                              pad_token_id=0, entropy_bound=1e6, t_max=2e-4, t_min=1e-4)
+    ours, inputs = run_dgemma(model, PROMPTS, sampling, seed=4)
+    assert len(inputs) == len(expected_inputs)
+    assert_same_inputs(inputs, expected_inputs, ours, steps)
+    for row in range(len(PROMPTS)):
+        assert ours.tokens[row] + [EOS] * (ours.finish_reasons[row] == "stop") == until_eos(expected[row].tolist())

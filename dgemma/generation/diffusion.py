@@ -288,13 +288,16 @@ def denoise_canvas(
         else:  # only the active positions run; stopped rows not at all
             logits = denoising.step_cache.logits_for(model, denoising.canvas, cache, denoising.done,
                                                      self_conditioning=self_conditioning)
-        self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
+        predicting = denoising.predicting  # else a DDIM corrector sweep: the next forward reads this signal too
+        if predicting:
+            self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         pending = denoising.scan(logits)
         *stop_rows, drawn = host_read(torch.cat([pending.stop.long(), pending.drawn_count.sum().view(1)]), "step")
         result = denoising.advance(pending, stop_rows, drawn)
-        self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
+        if predicting:
+            self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
-            on_draft(denoising.step_index - 1, denoising.argmax, result.entropy, result.accepted)
+            on_draft(denoising.step_index - 1, pending.draft, result.entropy, result.accepted)
     if decoder_positions is not None:
         decoder_positions[:] = [d + c for d, c in zip(decoder_positions, denoising.decoder_positions)]
     return denoising.committed(), denoising.steps

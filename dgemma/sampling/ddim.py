@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dgemma.config import CORRECTOR_SELECTIONS
 from dgemma.sampling.sampler import CHUNK_ELEMENTS, chunk_rows, random_tokens, sample_from_probs
-
-CORRECTOR_SELECTIONS = ("lowest_log_margin", "lowest_maxprob", "lowest_current_prob", "random")
 
 
 def forward_budget(num_forwards: int, corrector_steps: int) -> tuple[int, int]:
