@@ -105,6 +105,14 @@ def test_only_the_server_and_its_command_import_dgemma_serving():
     assert {name: found for name, found in outside.items() if found} == {}
 
 
+def test_the_server_knows_no_task():
+    """dgemma serve's command reads the model's task and hands the server its codec (ServerSettings.codec): nothing
+    in dgemma/serving imports dgemma.tasks."""
+    found = {name: sorted(m for m in imports if m == "dgemma.tasks" or m.startswith("dgemma.tasks."))
+             for name, imports in import_graph().items() if name.startswith("dgemma.serving")}
+    assert {name: tasks for name, tasks in found.items() if tasks} == {}
+
+
 def test_no_import_circles():
     assert _circles(import_graph()) == []
 
@@ -188,3 +196,16 @@ def test_rules_written_once_stay_where_they_are_defined():
                    if pattern in path.read_text() and str(path.relative_to(ROOT.parent)) not in (
                        home if isinstance(home, tuple) else (home,)))
     assert found == []
+
+
+def test_modules_and_functions_stay_readable():
+    """No module in dgemma/ over 500 lines, no function over 100."""
+    long_modules, long_functions = [], []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_modules.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
+                long_functions.append(f"{path.relative_to(ROOT.parent)}: {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long_modules == [] and long_functions == []

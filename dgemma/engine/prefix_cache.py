@@ -28,18 +28,24 @@ import torch
 BLOCK_TOKENS = 16
 
 
+def _counter(doc: str | None = None):
+    """A counter of `PrefixCacheStats`, starting at 0; `doc` says what it counts (the server's /health schema
+    publishes it)."""
+    return field(default=0, metadata={"doc": doc} if doc else {})
+
+
 @dataclass
 class PrefixCacheStats:
     """Counters a /health page or a metrics exporter reads (`as_dict`)."""
 
-    blocks: int = 0  # held now
-    bytes: int = 0  # held now
-    budget_bytes: int = 0
-    lookups: int = 0  # requests that asked
-    hits: int = 0  # requests that took at least one block
-    cached_tokens: int = 0  # prompt tokens taken from the cache, all requests together
-    inserted: int = 0  # blocks stored
-    evictions: int = 0  # blocks dropped for room
+    blocks: int = _counter("blocks held now")
+    bytes: int = _counter("their bytes")
+    budget_bytes: int = _counter()
+    lookups: int = _counter("requests that looked their prompt up")
+    hits: int = _counter("requests that took at least one block")
+    cached_tokens: int = _counter("prompt tokens taken from the cache, all requests")
+    inserted: int = _counter("blocks stored")
+    evictions: int = _counter("blocks dropped for room")
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
