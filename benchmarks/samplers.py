@@ -11,11 +11,12 @@ step counts (dgemma.sampling.samplers: entropy-bound, block-refinement, ddim).
         --limit N takes the first N puzzles of each bucket. Each result is appended to --out as one JSON line
         as soon as it is measured, and a result already there is not measured again (a long sweep resumes).
 
-    python benchmarks/samplers.py plot --results runs.jsonl [more.jsonl] --out DIR
-        One PNG per sampler (DIR/frontier-<sampler>.png): solved against forwards per puzzle and against
-        seconds per puzzle, a line per bucket and mode, the entropy bound's in grey behind; and the table of
-        which settings reach the entropy bound's solved count (inside its interval) in at most 2/3 of its
-        forwards.
+    python benchmarks/samplers.py plot --results runs.jsonl [more.jsonl] [--timed timed.jsonl] --out DIR
+        One PNG per sampler (DIR/frontier-<sampler>.png): solved against forwards per puzzle (a line per bucket
+        and mode) and against seconds per puzzle (medium, single shot; the seconds from --timed, a run of the
+        same settings timed on a quiet machine, else the sweep's own), the entropy bound's in grey behind; and
+        the table of which settings reach the entropy bound's solved count (inside its 95% interval) in at most
+        2/3 of its forwards.
 
 Prints a table, then one JSON line.
 """
@@ -27,6 +28,8 @@ import json
 from pathlib import Path
 
 REFERENCE = "entropy-bound"  # the sampler the others are measured against, at the model's own step count
+BUCKET_COLOURS = {"easy": "tab:blue", "medium": "tab:green", "hard": "tab:orange", "minimal": "tab:red"}
+MARKS = ("o", "s")  # single shot, search
 
 
 def parse_system(text: str) -> tuple[str, dict, list[int]]:
@@ -127,25 +130,36 @@ def plot(args) -> dict:
     import matplotlib.pyplot as plt
 
     rows = [r for path in args.results for r in _read(Path(path))]
+    timed = {(r["system"], r["steps"]): r["seconds_per_puzzle"] for path in args.timed for r in _read(Path(path))
+             if r["bucket"] == "medium"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     samplers = sorted({r["sampler"] for r in rows}, key=lambda s: (s != REFERENCE, s))
     written = []
     for sampler in samplers:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-        for ax, x_key, x_label in ((axes[0], "forwards_per_puzzle", "decoder forwards per puzzle"),
-                                   (axes[1], "seconds_per_puzzle", "seconds per puzzle")):
-            for (system, bucket, mode), points in _series(rows, sampler).items():
-                _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style="-o")
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+        medium = [r for r in rows if r["bucket"] == "medium" and r["mode"] == "single shot"]
+        for ax, x_key, x_label, panel in (
+                (axes[0], "forwards_per_puzzle", "decoder forwards per puzzle", rows),
+                (axes[1], "seconds_per_puzzle", "seconds per puzzle (medium, single shot" +
+                 (", timed on a quiet machine)" if timed else ")"), [
+                     {**r, "seconds_per_puzzle": timed.get((r["system"], r["steps"]), r["seconds_per_puzzle"])}
+                     for r in medium if not timed or (r["system"], r["steps"]) in timed])):
             if sampler != REFERENCE:
-                for (system, bucket, mode), points in _series(rows, REFERENCE).items():
-                    _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style="--", colour="0.6", alpha=0.7)
+                for (system, bucket, mode), points in _series(panel, REFERENCE).items():
+                    _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style="--" + MARKS[mode != "single shot"],
+                          colour="0.6", alpha=0.7)
+            systems = sorted({r["system"] for r in panel if r["sampler"] == sampler}, key=len)
+            for (system, bucket, mode), points in _series(panel, sampler).items():
+                line = ("-", ":", "-.", "--")[systems.index(system) % 4]
+                _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style=line + MARKS[mode != "single shot"],
+                      colour=BUCKET_COLOURS.get(bucket))
             ax.set_xscale("log")
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("solved (95% Wilson interval)")
         axes[0].set_ylim(0, 1.02)
-        axes[1].legend(fontsize=6, loc="lower right")
+        axes[0].legend(fontsize=6, loc="lower right")
         fig.suptitle(f"{sampler} on the shipped sudoku model: solved against cost over step counts")
         fig.tight_layout()
         path = out / f"frontier-{sampler}.png"
@@ -196,6 +210,7 @@ def main(argv=None):
     s.add_argument("--out", required=True, help="JSON lines, appended to")
     q = sub.add_parser("plot")
     q.add_argument("--results", nargs="+", required=True)
+    q.add_argument("--timed", nargs="*", default=[], help="results of a quiet run whose seconds the time panel uses")
     q.add_argument("--out", required=True)
     q.add_argument("--reference-steps", type=int, default=24, help="the entropy bound's step count to match")
     args = p.parse_args(argv)

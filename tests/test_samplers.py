@@ -93,12 +93,14 @@ def test_block_refinement_commits_its_canvas_and_edits_what_the_model_changes_it
     results, commits = {}, {}
     for editing in (0.0, 0.04):
         model = MockModel(canvas_length=L, margin=(0.5,), drift_after=3)
-        counts = []
+        counts, drafts = [], []
         sampling = mock_config(sampler="block-refinement", max_denoising_steps=steps, max_new_tokens=L,
                                editing_threshold=editing)
-        results[editing] = generate(model, [[4, 5]], sampling, seed=0, on_draft=lambda step, argmax, entropy, accepted,
-                                    counts=counts: counts.append(int(accepted.sum())))
+        results[editing] = generate(model, [[4, 5]], sampling, seed=0, on_draft=lambda step, draft, entropy, accepted,
+                                    counts=counts, drafts=drafts: counts.append(int(accepted.sum())) or
+                                    drafts.append(draft[0].tolist()))
         commits[editing] = counts
+        assert drafts[-1] == results[editing].tokens[0]  # the last draft shows what the canvas commits
         old = model.targets(0, L)
     new = [FIRST_PLAIN + (t + 1 - FIRST_PLAIN) % (32 - FIRST_PLAIN) for t in old]
     expected_counts = [int(commit_target(i, steps, torch.tensor(L))) for i in range(steps)]
@@ -200,9 +202,9 @@ def test_generate_and_chat_take_each_sampler_and_its_settings(tiny_model_dir, ca
 
 @pytest.mark.parametrize("args, message", [
     (["--sampler", "block-refinement", "--corrector-steps", "1"],
-     "--corrector-steps is a setting of --sampler ddim, not of block-refinement"),
-    (["--temperature", "0.5"], "--temperature is a setting of --sampler block-refinement and ddim, not of entropy-bound"),
-    (["--sampler", "ddim", "--entropy-bound", "0.3"], "--entropy-bound is a setting of --sampler entropy-bound, not of ddim"),
+     "--corrector-steps: a setting of the ddim sampler, not of block-refinement"),
+    (["--temperature", "0.5"], "--temperature: a setting of the block-refinement and ddim samplers, not of entropy-bound"),
+    (["--sampler", "ddim", "--entropy-bound", "0.3"], "--entropy-bound: a setting of the entropy-bound sampler, not of ddim"),
     (["--sampler", "ddim", "--corrector-steps", "1", "--step-cache", "on"],
      "DDIM's corrector sweeps (corrector_steps > 0) cannot run with the step cache"),
     (["--ar", "--sampler", "ddim"], "--sampler works with the diffusion samplers, not with --ar"),
@@ -254,3 +256,65 @@ def test_bench_times_several_samplers_side_by_side(capsys):
     assert code == 0, err
     assert "transformers: skipped (its generate samples with the entropy bound, not ddim)" in err
     assert {r["system"] for r in json.loads(out.strip().splitlines()[-1])["results"]} == {"engine-fixed"}
+
+
+# -- the server -----------------------------------------------------------------------------------------
+def test_server_takes_the_sampler_per_request_and_streams_edits_and_corrector_sweeps(tiny_model_dir):
+    """`sampler` and its settings on a request: the streamed answer equals the plain one, its drafts mark DDIM's
+    corrector sweeps and block refinement's edits; OpenAI's temperature changes nothing with the entropy bound;
+    the model card says the default sampler."""
+    from tests.test_server import MODEL, ServerProcess
+
+    server = ServerProcess(tiny_model_dir, api_key=None)
+    try:
+        client = server.client()
+        assert server.client().models.retrieve(MODEL).model_extra["dgemma"]["defaults"]["sampler"] == "entropy-bound"
+        for fields, mark in ((dict(sampler="ddim", corrector_steps=1, corrector_k=3, temperature=1.0), "corrected"),
+                             (dict(sampler="block-refinement", editing_threshold=0.01, temperature=1.0), "edited")):
+            body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=16, seed=3)
+            extra = dict(steps=7, **fields)
+            plain = client.completions.create(**body, extra_body=extra)
+            drafts, text = [], ""
+            for chunk in client.completions.create(**body, stream=True, extra_body={
+                    **extra, "stream_options": {"include_drafts": True}}):
+                choice = chunk.choices[0]
+                draft = (choice.model_extra or {}).get("dgemma_draft")
+                if draft:
+                    drafts.append(draft)
+                text += choice.text or ""
+            assert text == plain.choices[0].text
+            assert plain.model_extra["dgemma"]["steps_per_canvas"][0] == 7
+            assert len(drafts) == 7 * plain.model_extra["dgemma"]["canvases"]
+            assert any(any(d[mark]) for d in drafts), mark
+            phases = [d["phase"] for d in drafts[:7]]
+            if fields["sampler"] == "ddim":  # 7 forwards, one sweep each after the first 3 predictor steps
+                assert phases == ["predictor", "corrector"] * 3 + ["predictor"]
+                assert all(sum(d["corrected"]) == 3 for d in drafts if d["phase"] == "corrector")
+            else:
+                assert phases == ["predictor"] * 7
+        same = [client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, seed=4, **t).choices[0].text
+                for t in ({}, {"temperature": 0.7})]
+        assert same[0] == same[1]  # the entropy bound anneals its own temperature
+    finally:
+        server.stop_cleanly()
+
+
+def test_serve_takes_the_default_sampler_and_refuses_a_setting_it_does_not_read(tiny_model_dir, capsys):
+    from tests.test_server import MODEL, ServerProcess
+
+    server = ServerProcess(tiny_model_dir, "--sampler", "block-refinement", "--commit-threshold", "0.5",
+                           api_key=None)
+    try:
+        card = server.client().models.retrieve(MODEL).model_extra["dgemma"]
+        assert card["defaults"]["sampler"] == "block-refinement"
+        with pytest.raises(Exception, match="corrector_steps: a setting of the ddim sampler"):
+            server.client().completions.create(model=MODEL, prompt="hello", max_tokens=8,
+                                               extra_body={"corrector_steps": 2})
+    finally:
+        server.stop_cleanly()
+    for args, message in ((["--corrector-steps", "1"], "--corrector-steps: a setting of the ddim sampler, not of "
+                           "entropy-bound"),
+                          (["--sampler", "ddim", "--corrector-steps", "1", "--step-cache", "on"],
+                           "cannot run with the step cache")):
+        code, _, err = _main(capsys, "serve", "--model", str(tiny_model_dir), "--port", "0", "--eager", *args)
+        assert code == 2 and message in err and "Traceback" not in err, err

@@ -16,16 +16,9 @@ from dgemma.sampling.block_refinement import commit_target, refinement_step
 from dgemma.sampling.ddim import CORRECTOR_SELECTIONS, corrector_sweep, ddim_step, forward_budget
 from dgemma.sampling.sampler import sample_tempered, scan_positions
 from tests.conftest import sampler_step
+from tests.test_sampling import spread_logits
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def spread_logits(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """Logits whose per-position entropies range from ~0 to ~log(V): each position gets its own scale."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.logspace(-1, 1.7, batch * length).view(batch, length, 1)
-    scale = scale.flatten()[torch.randperm(batch * length, generator=g)].view(batch, length, 1)
-    return torch.randn(batch, length, vocab, generator=g) * scale
 
 
 @pytest.fixture

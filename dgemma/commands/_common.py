@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, SAMPLERS
+from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, SAMPLER_SETTINGS, SAMPLERS, settings_not_read
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -198,13 +198,8 @@ def positive_float(text: str) -> float:
     return value
 
 
-# the flags each sampler reads besides --steps (every sampler's decoder forwards per canvas)
-SAMPLER_FLAGS = {
-    "entropy-bound": ("entropy_bound", "t_min", "t_max", "accept_order"),
-    "block-refinement": ("temperature", "commit_threshold", "editing_threshold"),
-    "ddim": ("temperature", "corrector_steps", "corrector_k", "corrector_selection", "corrector_selection_tau"),
-}
-OTHER_SAMPLERS_FLAGS = tuple(dict.fromkeys(f for s in SAMPLERS[1:] for f in SAMPLER_FLAGS[s]))
+# the flags of block refinement's and DDIM's settings (the entropy bound's are add_denoising_arguments' own)
+OTHER_SAMPLERS_FLAGS = tuple(dict.fromkeys(f for s in SAMPLERS[1:] for f in SAMPLER_SETTINGS[s]))
 
 
 def sampler_list(text: str) -> list[str]:
@@ -255,13 +250,10 @@ def sampler_overrides(args) -> dict:
 
 def check_sampler_flags(args, samplers: str | list[str]):
     """UsageError for a sampler setting given on the command line that none of `samplers` reads."""
-    samplers = [samplers] if isinstance(samplers, str) else samplers
-    read = {f for s in samplers for f in SAMPLER_FLAGS[s]}
-    for name in (*SAMPLER_FLAGS["entropy-bound"], *OTHER_SAMPLERS_FLAGS):
-        if name not in read and getattr(args, name, None) is not None:
-            readers = " and ".join(s for s, flags in SAMPLER_FLAGS.items() if name in flags)
-            raise UsageError(f"--{name.replace('_', '-')} is a setting of --sampler {readers}, not of "
-                             f"{' or '.join(samplers)}")
+    given = {name: getattr(args, name, None) for name in (*SAMPLER_SETTINGS["entropy-bound"], *OTHER_SAMPLERS_FLAGS)}
+    problem = settings_not_read(samplers if isinstance(samplers, str) else tuple(samplers), given, as_flags=True)
+    if problem:
+        raise UsageError(problem)
 
 
 def probability(text: str) -> float:

@@ -22,6 +22,26 @@ CORRECTOR_SELECTIONS = ("lowest_log_margin", "lowest_maxprob", "lowest_current_p
 STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "cache_refresh")
 SAMPLER_KEYS = ("sampler", "temperature", "commit_threshold", "editing_threshold", "corrector_steps", "corrector_k",
                 "corrector_selection", "corrector_selection_tau")
+# the settings each sampler reads besides max_denoising_steps (every sampler's decoder forwards per canvas)
+SAMPLER_SETTINGS = {
+    "entropy-bound": ("entropy_bound", "t_min", "t_max", "accept_order"),
+    "block-refinement": ("temperature", "commit_threshold", "editing_threshold"),
+    "ddim": ("temperature", "corrector_steps", "corrector_k", "corrector_selection", "corrector_selection_tau"),
+}
+
+
+def settings_not_read(samplers: str | tuple[str, ...], given: dict[str, Any], *, as_flags: bool = False) -> str | None:
+    """The first sampler setting set in `given` (name -> value; None: not set) that none of `samplers` reads, as
+    "NAME: a setting of the READERS sampler, not of SAMPLERS" (NAME as a command-line flag with `as_flags`), or
+    None: what the command line and the server refuse."""
+    samplers = (samplers,) if isinstance(samplers, str) else tuple(samplers)
+    for name, value in given.items():
+        readers = [s for s, names in SAMPLER_SETTINGS.items() if name in names]
+        if value is not None and readers and not set(readers) & set(samplers):
+            shown = "--" + name.replace("_", "-") if as_flags else name
+            which = " and ".join(readers) + (" samplers" if len(readers) > 1 else " sampler")
+            return f"{shown}: a setting of the {which}, not of {' or '.join(samplers)}"
+    return None
 
 
 @dataclass

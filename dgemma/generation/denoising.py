@@ -38,7 +38,9 @@ class PendingStep:
     scanned: ScannedStep
     probs: torch.Tensor  # (B, L, V): softmax(logits / T), in the logits buffer (a corrector sweep: its logits)
     stop: torch.Tensor  # (B,) bool: the stop rule's verdict for each row
-    draft: torch.Tensor  # (B, L) long: the argmax the step shows (a stopped row: its draft when it stopped)
+    # (B, L) long: what the step shows: the argmax canvas, or (block refinement, DDIM) the tokens the canvas holds
+    # where it holds a prediction and the argmax elsewhere; a stopped row: its draft when it stopped
+    draft: torch.Tensor
     candidate: torch.Tensor  # (B, L) long: what the canvas commits if it ends with this step
 
     @property
@@ -108,11 +110,15 @@ class CanvasDenoising:
         self.steps += ~self.done
         scanned = self.sampler.scan(logits, self.canvas, self.step_index, self.generator, scan=scan)
         # a stopped row keeps its draft
-        draft = scanned.argmax if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax,
-                                                                            scanned.argmax)
+        argmax = scanned.argmax if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax,
+                                                                             scanned.argmax)
+        draft = argmax
+        if not self.sampler.commits_argmax:  # what the canvas holds where it holds a prediction, the argmax elsewhere
+            held = torch.where(scanned.accepted, scanned.canvas, scanned.argmax)
+            draft = held if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax, held)
         if not scanned.predictor:  # a corrector sweep: the stop rule waits for the next predictor step
             return PendingStep(scanned, logits, torch.zeros_like(self.done), draft, self.committed_now())
-        self.argmax = draft
+        self.argmax = argmax
         stop, self.history = adaptive_stop(self.history, self.argmax, scanned.entropy, s.confidence_threshold,
                                            self.fixed)
         if self.sampler.commits_argmax:

@@ -48,9 +48,11 @@ from dgemma.sampling import seed_or_random
 # (before its first EOS, within max_new_tokens; [] for a row already finished); finished[b] says the row
 # is done. Concatenating a row's new_tokens over all calls gives GenerationResult.tokens[b].
 OnCanvas = Callable[[int, list[list[int]], list[bool]], None]
-# on_draft(step, argmax_canvas (B, L), entropy (B, L), accepted (B, L) bool), after every denoising step
-# (step counts from 0 in each canvas). Rows that already stopped keep their argmax canvas; their entropy
-# and accepted mask belong to a step whose result was discarded.
+# on_draft(step, draft (B, L), entropy (B, L), accepted (B, L) bool), after every decoder forward (step counts
+# from 0 in each canvas; a DDIM corrector sweep counts as one): the draft is the argmax canvas, or with block
+# refinement and DDIM the tokens the canvas holds where it holds a prediction (accepted) and the argmax elsewhere.
+# Rows that already stopped keep their draft; their entropy and accepted mask belong to a step whose result was
+# discarded.
 OnDraft = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
