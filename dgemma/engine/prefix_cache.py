@@ -26,6 +26,27 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK_TOKENS = 16
+# The budget when none is given (`default_budget`): a share of the memory free when the engine starts, capped
+DEFAULT_SHARE = 4  # a quarter
+DEFAULT_MAX_BYTES = 16 << 30
+
+
+def default_budget(model) -> int:
+    """The prefix cache's budget when none is given (`Engine(prefix_cache_bytes="auto")`; the generating
+    commands and the server without --prefix-cache-gib): a quarter of the memory free on the model's device
+    now (`dgemma.devices.free_memory_bytes`), at most 16 GiB. The ranks of a split model hold the same
+    blocks, so each takes the smallest budget over the ranks: a collective that every rank calls."""
+    from dgemma import devices
+
+    budget = min(devices.free_memory_bytes(model.device) // DEFAULT_SHARE, DEFAULT_MAX_BYTES)
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        import torch.distributed as dist
+
+        smallest = torch.tensor([budget], dtype=torch.int64, device=model.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp.group)
+        budget = int(smallest.item())
+    return budget
 
 
 def _counter(doc: str | None = None):
