@@ -12,9 +12,9 @@ step counts (dgemma.sampling.samplers: entropy-bound, block-refinement, ddim).
         as soon as it is measured, and a result already there is not measured again (a long sweep resumes).
 
     python benchmarks/samplers.py plot --results runs.jsonl [more.jsonl] [--timed timed.jsonl] --out DIR
-        One PNG per sampler (DIR/frontier-<sampler>.png): solved against forwards per puzzle (a line per bucket
-        and mode) and against seconds per puzzle (medium, single shot; the seconds from --timed, a run of the
-        same settings timed on a quiet machine, else the sweep's own), the entropy bound's in grey behind; and
+        One PNG per sampler (DIR/samplers-frontier-<sampler>.png): solved against forwards per puzzle (a line
+        per bucket and mode) and, with --timed (a shorter run of some of the same settings, timed alone),
+        against its seconds per puzzle on medium, the entropy bound's in grey behind; and
         the table of which settings reach the entropy bound's solved count (inside its 95% interval) in at most
         2/3 of its forwards.
 
@@ -128,23 +128,24 @@ def plot(args) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    rows = [r for path in args.results for r in _read(Path(path))]
+    rows = list({(r["system"], r["steps"], r["bucket"], r["mode"]): r  # one row a setting: the first measured
+                 for path in reversed(args.results) for r in reversed(_read(Path(path)))}.values())[::-1]
     timed = {(r["system"], r["steps"]): r["seconds_per_puzzle"] for path in args.timed for r in _read(Path(path))
              if r["bucket"] == "medium"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     samplers = sorted({r["sampler"] for r in rows}, key=lambda s: (s != REFERENCE, s))
     written = []
+    medium = [{**r, "seconds_per_puzzle": timed[r["system"], r["steps"]]} for r in rows
+              if r["bucket"] == "medium" and r["mode"] == "single shot" and (r["system"], r["steps"]) in timed]
+    panels = [("forwards_per_puzzle", "decoder forwards per puzzle", rows)]
+    if timed:  # the sweep's own seconds are left out: a long sweep shares the machine
+        panels.append(("seconds_per_puzzle", "seconds per puzzle (medium, single shot; the --timed run)", medium))
     for sampler in samplers:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-        medium = [r for r in rows if r["bucket"] == "medium" and r["mode"] == "single shot"]
-        for ax, x_key, x_label, panel in (
-                (axes[0], "forwards_per_puzzle", "decoder forwards per puzzle", rows),
-                (axes[1], "seconds_per_puzzle", "seconds per puzzle (medium, single shot" +
-                 (", timed on a quiet machine)" if timed else ")"), [
-                     {**r, "seconds_per_puzzle": timed.get((r["system"], r["steps"]), r["seconds_per_puzzle"])}
-                     for r in medium if not timed or (r["system"], r["steps"]) in timed])):
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 3.5, 5), sharey=True, squeeze=False)
+        for ax, (x_key, x_label, panel) in zip(axes[0], panels):
             if sampler != REFERENCE:
                 for (system, bucket, mode), points in _series(panel, REFERENCE).items():
                     _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style="--" + MARKS[mode != "single shot"],
@@ -155,14 +156,17 @@ def plot(args) -> dict:
                 _draw(ax, points, x_key, f"{system}: {bucket}, {mode}", style=line + MARKS[mode != "single shot"],
                       colour=BUCKET_COLOURS.get(bucket))
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(ticker.ScalarFormatter())
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("solved (95% Wilson interval)")
-        axes[0].set_ylim(0, 1.02)
-        axes[0].legend(fontsize=6, loc="lower right")
+        axes[0, 0].set_ylabel("solved (95% Wilson interval)")
+        axes[0, 0].set_ylim(0, 1.02)
+        axes[0, -1].legend(*axes[0, 0].get_legend_handles_labels(), fontsize=7, loc="upper left",
+                           bbox_to_anchor=(1.01, 1.0))  # beside the plot: the lower corners hold hard and minimal
         fig.suptitle(f"{sampler} on the shipped sudoku model: solved against cost over step counts")
         fig.tight_layout()
-        path = out / f"frontier-{sampler}.png"
+        path = out / f"samplers-frontier-{sampler}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(str(path))
