@@ -103,13 +103,29 @@ def _sampling_configs(args, model, new_tokens: int, never: tuple):
     unless --step-cache on), and the fixed one with each further --sampler ({sampler: config})."""
     samplers = args.sampler or [model.sampling_config.sampler]
     check_sampler_flags(args, samplers)
-    base = model.sampling_config.replace(sampler=samplers[0], **sampler_overrides(args))
-    fixed = base.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps, fixed_steps=True,
-                         eos_token_ids=never, seed=args.seed)
-    adaptive = base.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
-    cache_settings = step_cache_overrides(args)
-    others = {name: fixed.replace(sampler=name) for name in samplers[1:]}
-    return fixed, adaptive, fixed.replace(**cache_settings) if cache_settings["step_cache"] else None, others
+    try:
+        base = model.sampling_config.replace(sampler=samplers[0], **sampler_overrides(args))
+        fixed = base.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps, fixed_steps=True,
+                             eos_token_ids=never, seed=args.seed)
+        adaptive = base.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
+        cache_settings = step_cache_overrides(args)
+        cached = fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
+        others = {name: fixed.replace(sampler=name) for name in samplers[1:]}
+    except ConfigError as e:  # e.g. DDIM's corrector with the step cache
+        raise UsageError(str(e)) from None
+    return fixed, adaptive, cached, others
+
+
+def _transformers_beside(args, model, fixed, dtype, device):
+    """transformers' model for its generate's column, or None: --no-transformers, or a first sampler other than
+    the entropy bound (its generate samples with that one, so its column would not be the same work)."""
+    if args.no_transformers:
+        return None
+    if fixed.sampler != "entropy-bound":
+        print(f"transformers: skipped (its generate samples with the entropy bound, not {fixed.sampler})",
+              file=sys.stderr)
+        return None
+    return _transformers_model(args, model, dtype, device)
 
 
 def run(args):
@@ -133,18 +149,10 @@ def run(args):
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
-    try:
-        fixed, adaptive, cached, other_samplers = _sampling_configs(args, model, new_tokens, never)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
+    fixed, adaptive, cached, other_samplers = _sampling_configs(args, model, new_tokens, never)
     gen = torch.Generator().manual_seed(args.seed)
 
-    # transformers' generate runs the entropy bound: its column is the same work only beside that sampler
-    same_sampler = fixed.sampler == "entropy-bound"
-    if not (args.no_transformers or same_sampler):
-        print(f"transformers: skipped (its generate samples with the entropy bound, not {fixed.sampler})",
-              file=sys.stderr)
-    hf = None if args.no_transformers or not same_sampler else _transformers_model(args, model, dtype, device)
+    hf = _transformers_beside(args, model, fixed, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
     ran = _what_runs(model, batches[0], load_before)
@@ -209,11 +217,8 @@ def run(args):
         _startup_table(startup)
     print("what ran: " + "\n          ".join(_what_runs_lines(ran)))
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
-    result["sampler"] = fixed.sampler
-    result["compile_mode"] = compile_mode(args, model) if compiling else None
-    result["cpu_int8_compute"] = model.int8_compute_on
-    result["what_ran"] = ran
-    result["startup"] = startup
+    result.update(sampler=fixed.sampler, compile_mode=compile_mode(args, model) if compiling else None,
+                  cpu_int8_compute=model.int8_compute_on, what_ran=ran, startup=startup)
     if tokens_check is not None:
         result["tokens_check"] = tokens_check
     if args.plot:
