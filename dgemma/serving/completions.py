@@ -285,7 +285,9 @@ def _draft_payload(codec, event) -> dict:
     kept = {} if event.settled is None else {"settled": event.settled}
     return {"canvas": event.canvas_index, "step": event.step + 1, "tokens": event.tokens,
             "pieces": [codec.piece(t) for t in event.tokens],
-            "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted, **kept}
+            "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted,
+            "edited": event.edited or [False] * len(event.tokens),
+            "corrected": event.corrected or [False] * len(event.tokens), "phase": event.phase, **kept}
 
 
 def _stats(state: ServerState, choice: ChoiceInProgress) -> dict:
