@@ -403,46 +403,40 @@ class Engine:
                      corrected=corrected, phase="predictor" if result.predictor else "corrector", settled=settled)
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
-        """Each generating row's logits (1, L, V) for this step: rows whose whole canvas runs (no step cache, or a
-        step cache's step where every position runs) from one decoder forward over their canvases (views of its
-        one big buffer); the other rows with the step cache from one forward over their active positions,
-        packed (one more host read: how many each row has; dgemma.generation.step_cache)."""
-        out: list[torch.Tensor | None] = [None] * len(batch)
-        L = self.canvas_length
-        for r in batch:
-            r.state.whole_canvas_positions += L
-        cached = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is not None]
-        actives, counts = active_counts([batch[i].state.denoising.step_cache for i in cached],
-                                        [batch[i].state.denoising.done for i in cached]) if cached else ([], [])
-        runs_whole = {i for i, count in zip(cached, counts) if count == L}
-        whole = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is None or i in runs_whole]
+        """Each generating row's logits (1, L, V): rows whose whole canvas runs (no step cache, or every position
+        active) from one forward over their canvases; the step cache's other rows from one packed forward over
+        their active positions (one more host read: each row's count; dgemma.generation.step_cache)."""
+        out, L, states = [None] * len(batch), self.canvas_length, [r.state for r in batch]
+        cached = [i for i, st in enumerate(states) if st.denoising.step_cache is not None]
+        actives, counts = active_counts([states[i].denoising.step_cache for i in cached],
+                                        [states[i].denoising.done for i in cached]) if cached else ([], [])
         packed = [(i, active, count) for i, active, count in zip(cached, actives, counts) if count != L]
+        whole = sorted(set(range(len(batch))) - {i for i, _, _ in packed})
         if whole:
-            logits = self.runner.denoise([batch[i].state.row for i in whole],
-                                         torch.cat([batch[i].state.denoising.canvas for i in whole]),
-                                         [batch[i].state.soft for i in whole])  # (n, L, V)
+            logits = self.runner.denoise([states[i].row for i in whole], torch.cat(
+                [states[i].denoising.canvas for i in whole]), [states[i].soft for i in whole])  # (n, L, V)
             self.forwards += 1
             for j, i in enumerate(whole):
-                st = batch[i].state
-                step_cache = st.denoising.step_cache
-                out[i] = logits[j : j + 1] if step_cache is None else step_cache.record_whole(
-                    logits[j : j + 1], st.denoising.canvas)
-                st.decoder_positions += L
+                cache = states[i].denoising.step_cache
+                out[i] = logits[j : j + 1] if cache is None else cache.record_whole(logits[j : j + 1],
+                                                                                    states[i].denoising.canvas)
         if packed:
-            states = [batch[i].state for i, _, _ in packed]
+            rows = [states[i] for i, _, _ in packed]
 
             def forward(active, row_counts, read):
                 self.forwards += 1
-                return self.runner.denoise_positions([st.row for st in states], torch.cat(
-                    [st.denoising.canvas for st in states]), [st.soft for st in states], active, row_counts, read)
+                return self.runner.denoise_positions([st.row for st in rows], torch.cat(
+                    [st.denoising.canvas for st in rows]), [st.soft for st in rows], active, row_counts, read)
 
-            step_logits = packed_step([st.denoising.step_cache for st in states],
-                                      [st.denoising.canvas for st in states], [active for _, active, _ in packed],
-                                      [count for _, _, count in packed], forward)
-            for (i, _, count), st, logits in zip(packed, states, step_logits):  # one row a request
-                out[i] = logits
-                st.decoder_positions += count
-        self.decoder_positions += len(whole) * L + sum(count for _, _, count in packed)
+            step_logits = packed_step([st.denoising.step_cache for st in rows], [st.denoising.canvas for st in rows],
+                                      [active for _, active, _ in packed], [c for _, _, c in packed], forward)
+            for (i, _, _), logits in zip(packed, step_logits):
+                out[i] = logits  # one row a request
+        ran = dict.fromkeys(range(len(batch)), L) | {i: count for i, _, count in packed}
+        for i, st in enumerate(states):
+            st.decoder_positions += ran[i]
+            st.whole_canvas_positions += L
+        self.decoder_positions += sum(ran.values())
         return out
 
     def _commit(self, requests: list[Request]):
