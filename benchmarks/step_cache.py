@@ -92,17 +92,13 @@ class _Recorder:
     def install(self):
         from dgemma.generation.step_cache import StepCache
 
-        recorder, record, record_whole = self, StepCache.record, StepCache.record_whole
+        recorder, record = self, StepCache.record
 
         def recording(cache, computed, positions, counts, canvas, active, read=None):
             recorder.by_step.setdefault(cache.steps, []).extend(c for c in counts if c)
             return record(cache, computed, positions, counts, canvas, active, read)
 
-        def recording_whole(cache, logits, canvas):
-            recorder.by_step.setdefault(cache.steps, []).extend([canvas.shape[1]] * canvas.shape[0])
-            return record_whole(cache, logits, canvas)
-
-        StepCache.record, StepCache.record_whole = recording, recording_whole
+        StepCache.record = recording
 
 
 SETTING_KEYS = {"share": ("refresh_share", float), "order": ("refresh_order", str), "on": ("settle_on", str)}

@@ -214,7 +214,7 @@ def test_sampler_halves_equal_the_whole_step():
 
 def test_an_engine_step_with_the_step_cache_reads_its_active_counts_once_more(model, monkeypatch):
     """With the step cache on (settling, the attention-targeted refresh): every step reads the device twice,
-    the step's read and the rows' active counts (which tell whole-canvas steps from packed ones, and which
+    the step's read and the rows' active counts (how many positions each row runs, and which
     positions the packed forward runs: `nonzero_static`); nothing is read undeclared, and the tokens are those of
     each request run alone."""
     s = _sampling(step_cache=True, settle_steps=1, settle_probability=0.0, refresh_share=0.3)  # a random model: no bar

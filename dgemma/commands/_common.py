@@ -171,7 +171,7 @@ def maybe_compile(args, model, shape: str | None = None, *, announce: bool = Tru
     choice = agree(args, lambda: wants_compile(args, model, shape))
     if announce and getattr(getattr(args, "tp", None), "rank", 0) == 0:
         cache_on = {"on": True, "off": False}.get(getattr(args, "step_cache", None), model.sampling_config.step_cache)
-        packed = "; the step cache's packed steps eager, its whole-canvas steps compiled" if choice and cache_on else ""
+        packed = "; the step cache's steps eager" if choice and cache_on else ""
         print(f"step: {choice}{packed}", file=sys.stderr, flush=True)
     if choice:
         compile_model(model, compile_mode(args, model), shape=shape)

@@ -403,23 +403,23 @@ class Engine:
                      corrected=corrected, phase="predictor" if result.predictor else "corrector", settled=settled)
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
-        """Each generating row's logits (1, L, V): rows whose whole canvas runs (no step cache, or every position
-        active) from one forward over their canvases; the step cache's other rows from one packed forward over
-        their active positions (one more host read: each row's count; dgemma.generation.step_cache)."""
+        """Each generating row's logits (1, L, V): rows without the step cache from one forward over their whole
+        canvases; rows with it from one packed forward over their active positions (one more host read: each
+        row's count; dgemma.generation.step_cache)."""
         out, L, states = [None] * len(batch), self.canvas_length, [r.state for r in batch]
         cached = [i for i, st in enumerate(states) if st.denoising.step_cache is not None]
         actives, counts = active_counts([states[i].denoising.step_cache for i in cached],
                                         [states[i].denoising.done for i in cached]) if cached else ([], [])
-        packed = [(i, active, count) for i, active, count in zip(cached, actives, counts) if count != L]
+        # every step cache row runs packed, all positions active or not: the packed step writes the keys/values
+        # settled positions keep into the cache's canvas slots, which the whole-canvas step does not
+        packed = list(zip(cached, actives, counts))
         whole = sorted(set(range(len(batch))) - {i for i, _, _ in packed})
         if whole:
             logits = self.runner.denoise([states[i].row for i in whole], torch.cat(
                 [states[i].denoising.canvas for i in whole]), [states[i].soft for i in whole])  # (n, L, V)
             self.forwards += 1
             for j, i in enumerate(whole):
-                cache = states[i].denoising.step_cache
-                out[i] = logits[j : j + 1] if cache is None else cache.record_whole(logits[j : j + 1],
-                                                                                    states[i].denoising.canvas)
+                out[i] = logits[j : j + 1]
         if packed:
             rows = [states[i] for i, _, _ in packed]
 

@@ -28,9 +28,8 @@ feeds them, and its self-conditioning is its kept prediction. For a model whose 
 only on that position's token, with every position accepted at every step, it is exact. A model fine-tuned to
 read kept keys/values (`dgemma train --cache-aware`) loses less to it.
 
-A step where every position of every row runs (the first, a periodic refresh, a canvas where nothing has
-settled yet) is the whole-canvas step the cache-off path runs (compiled where the model is), with none of the
-packing; the host learns which it is from the one read of the rows' active counts.
+A step where every position runs (the first, a periodic refresh) runs packed as well: the packed step writes
+each position's keys/values into the cache's canvas slots, where the settled ones are kept.
 
 `decoder_positions` counts what ran through the decoder, per row.
 
@@ -84,13 +83,9 @@ class StepCache:
 
     def logits_for(self, model, canvas: torch.Tensor, cache, done: torch.Tensor, *, self_conditioning=None,
                    rows=None) -> torch.Tensor:
-        """The step's logits (B, L, V) fp32: from `model.denoise` when every position runs, else from
-        `model.decode_active` over the active positions, the rest as last computed (`packed_step`). A buffer the
-        sampler may overwrite."""
+        """The step's logits (B, L, V) fp32 from `model.decode_active` over the active positions, the rest as last
+        computed (`packed_step`). A buffer the sampler may overwrite."""
         (active,), counts = active_counts([self], [done])
-        if all(c == canvas.shape[1] for c in counts):
-            logits = model.denoise(canvas, cache, self_conditioning=self_conditioning, rows=rows)
-            return self.record_whole(logits, canvas)
 
         def forward(active, counts, read):
             return model.decode_active(canvas, cache, PackedPositions.from_mask(active, counts),
@@ -112,15 +107,6 @@ class StepCache:
         self._computed(canvas, active, counts)
         self.read = read
         return self.logits.clone()
-
-    def record_whole(self, logits: torch.Tensor, canvas: torch.Tensor) -> torch.Tensor:
-        """After a whole-canvas forward (every position of every row ran): logits (B, L, V) fp32 -> the same
-        buffer, for the sampler (a copy is kept for the positions that settle)."""
-        self.logits.copy_(logits)
-        B, L = canvas.shape
-        self._computed(canvas, torch.ones_like(self.settled), [L] * B)
-        self.read = None
-        return logits
 
     def _computed(self, canvas: torch.Tensor, active: torch.Tensor, counts: list[int]):
         self.kept = self.settled & ~active
