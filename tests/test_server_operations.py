@@ -139,6 +139,33 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir):
         s.stop()
 
 
+def test_request_timeout_ends_the_request_and_frees_its_row(tiny_model_dir):
+    """`--request-timeout 1`: a request that would run for many seconds gets a 504 (code request_timeout) after
+    about a second through the openai client, whole or streamed, its row is freed (the server goes idle), and a
+    short request then answers."""
+    server = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "1", "--request-timeout", "1")
+    try:
+        client = server.client()
+        long = dict(model=MODEL, prompt="hello", max_tokens=224, seed=1,
+                    extra_body={"steps": 200, "fixed_steps": True})  # 14 canvases x 200 steps: many seconds
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as error:
+            client.completions.create(**long)
+        took = time.monotonic() - start
+        assert error.value.status_code == 504 and error.value.body["code"] == "request_timeout", error.value.body
+        assert "--request-timeout" in error.value.body["message"] and 1 <= took < 10, took
+        server.wait_idle(timeout=10)  # the row went with it
+        with pytest.raises(openai.APIError) as error:
+            for _ in client.completions.create(**long, stream=True):
+                pass
+        assert error.value.body["code"] == "request_timeout", error.value.body
+        server.wait_idle(timeout=10)
+        short = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, seed=1, extra_body={"steps": 2})
+        assert short.choices[0].finish_reason == "length"
+    finally:
+        server.stop_cleanly()
+
+
 @pytest.mark.slow  # one cold compile of the tiny model's step (minutes on 2 cores)
 def test_fast_start_then_the_compiled_step(tiny_model_dir, tmp_path, monkeypatch):
     """The first answer within 20 s of launch with an empty compile cache and with a warm one; the switch from

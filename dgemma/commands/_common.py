@@ -60,6 +60,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | str = False):
     p.add_argument("--model", required=required,
                    help="a DiffusionGemma model folder (Hugging Face format) or a Hugging Face id (org/name)")

@@ -38,7 +38,8 @@ from dgemma.serving import responses as bodies
 from dgemma.serving.completions import echo_only, generate, score, tool_constraint
 from dgemma.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from dgemma.serving.middleware import JSONBodyRoute, Traffic, TrafficMiddleware, add_error_handlers
-from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dgemma.serving.requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                     DetokenizeRequest, TokenizeRequest)
 from dgemma.serving.responses import APIError, bad_request
 from dgemma.serving.state import ServerState
 
@@ -134,7 +135,11 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
             return await score(state, request, body, prompts, echoes)
         if body.max_tokens == 0:
             return echo_only(state, body, prompts, echoes)
-        return await generate(state, request, body, prompts, body.max_tokens, chat=False,
+        # absent: OpenAI's documented default for this endpoint (a task answers in its own fixed length)
+        limit = body.max_tokens
+        if limit is None and state.codec.fixed_max_tokens is None:
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS
+        return await generate(state, request, body, prompts, limit, chat=False,
                               echoes=echoes if body.echo else None, adapter=adapter)
 
     @v1.post("/chat/completions", response_model=None,

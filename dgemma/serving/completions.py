@@ -213,7 +213,7 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
         for stream in streams:
             while (item := await stream.next()).kind != "finished":
                 if item.kind == "error":
-                    raise APIError(item.status, item.message, type="server_error")
+                    raise _failure(item)
             if item.finish_reason != "scored":
                 raise APIError(500, "the request was cancelled", type="server_error")
     finally:
@@ -239,6 +239,12 @@ def echo_only(state: ServerState, body: CompletionRequest, prompts: list[list[in
     return ChunkWriter(False, state.model_name).response([(t, "length") for t in texts], counts, {})
 
 
+def _failure(failure) -> APIError:
+    """A request the engine could not finish (it failed, the server stops, the time limit passed), as its error."""
+    kind = "timeout_error" if failure.code == "request_timeout" else "server_error"
+    return APIError(failure.status, failure.message, type=kind, code=failure.code)
+
+
 def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
     for stream in streams:
         worker.cancel(stream)
@@ -257,7 +263,7 @@ async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[st
     while True:
         item = await stream.next()
         if item.kind == "error":
-            raise APIError(item.status, item.message, type="server_error")
+            raise _failure(item)
         if item.kind == "draft":
             yield "draft", _draft_payload(state.codec, item)
             continue

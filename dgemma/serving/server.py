@@ -54,6 +54,7 @@ class ServerSettings:
     prebuild_json_object: bool
     lora: tuple[str, ...]  # NAME=PATH, as given
     shutdown_grace: float
+    request_timeout: float | None  # seconds a request may run (queue time included); None: no limit
     log_level: str
     prefill_chunk: int | None
     deterministic: bool
@@ -213,7 +214,8 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
             engine.follow()
             return None
         engine_class = LockstepEngine
-    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal)
+    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal,
+                          request_timeout=settings.request_timeout)
     background = _background_compile(settings, worker, mode)
     if settings.prebuild_json_object and codec.task == "text":
         _prebuild_json_object(codec)
