@@ -141,7 +141,8 @@ class Engine:
             raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
         check_search(request.max_rounds, 1)
         self._check_images(request)
-        if request.sampling.step_cache and (self.model.adapter_rows is not None or hasattr(self.model, "tp")):
+        if request.sampling.step_cache and (request.adapter or hasattr(self.model, "tp")):
+            # a step-cache forward holds step-cache rows alone (`_decode`), so base-model ones run beside adapters
             raise ValueError("the step cache works with neither LoRA adapters nor a split model yet")
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:

@@ -36,7 +36,8 @@ from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
 # -- what a request asks of the sampler ---------------------------------------------------------------
 
-def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None) -> SamplingConfig:
+def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None,
+                  adapter: int = 0) -> SamplingConfig:
     """The model's sampling defaults with the request's overrides, and a length that fits the cache."""
     L, context, n = state.canvas_length, state.worker.max_length, len(prompt)
     fixed = state.codec.fixed_max_tokens
@@ -55,9 +56,9 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
-    if body.step_cache and state.adapters:
-        raise bad_request("step_cache: this server serves LoRA adapters, which the step cache does not work with yet",
-                          param="step_cache")
+    if body.step_cache and adapter:
+        raise bad_request(f"step_cache: the step cache does not work with LoRA adapters yet ({body.model!r} is one); "
+                          "the base model takes it", param="step_cache")
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
                                       entropy_bound=body.entropy_bound, accept_order=body.accept_order,
@@ -124,7 +125,7 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
                    images=None, adapter: int = 0):
     """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
     text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
-    samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
+    samplings = [_sampling_for(state, body, prompt, max_tokens, adapter) for prompt in prompts]
     answer_format = await _constraint_for(state, body)
     if answer_format is not None and constraint is not None:
         raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
