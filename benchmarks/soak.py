@@ -2,8 +2,8 @@
 graceful stop at the end.
 
 One server (`--max-batch 8`, LoRA adapters by name, a small prefix cache kept at its budget, a time limit per
-request) and N clients that loop for --minutes, each drawing a request kind by weight (benchmarks/soak_kinds.py:
-chat, stream, a stream the client drops, n: 2, json_schema, tool calls, images, the step cache, long distinct
+request) and N clients that loop for --minutes, each drawing a request kind (every kind once, then by weight;
+benchmarks/soak_kinds.py: chat, stream, a stream the client drops, n: 2, json_schema, tool calls, images, the step cache, long distinct
 prompts, follow-up turns, prompt scoring with logprobs, a completion without max_tokens), a seed from a
 shared pool and a model (the base or an adapter) at random. Each kind checks its answers (JSON against its
 schema, calls that name a tool with valid arguments, log-probabilities in range...), and answers that must
@@ -141,9 +141,10 @@ class Tally:
 def client_loop(index: int, url: str, deadline: float, tally: Tally, shared: Shared, mix: dict):
     rng = random.Random(index)
     names, weights = zip(*mix.items())
+    first = rng.sample([n for n, w in mix.items() if w], sum(w > 0 for w in weights))  # each kind once, then by weight
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as http:
         while time.monotonic() < deadline:
-            name = rng.choices(names, weights)[0]
+            name = first.pop() if first else rng.choices(names, weights)[0]
             call = Call(http, rng, shared, seed=rng.choice(SEEDS), model=rng.choice(shared.models),
                         same=lambda key, answer, name=name: tally.same(name, key, answer),
                         note=lambda what: tally.notes.update([what]))
