@@ -60,9 +60,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.model.checkpoint import CheckpointError
     from dgemma.model.parallel import SplitError
     from dgemma.tokenizer import TokenizerError
+    from dgemma.training.state import CheckpointWriteError
 
     return (UsageError, ConfigError, DeviceError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
-            IsADirectoryError, PermissionError)
+            IsADirectoryError, PermissionError, CheckpointWriteError)
 
 
 # Commands that generate: they free and reallocate (B, L, V)-sized buffers at every denoising step.

@@ -124,11 +124,18 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
         return LOST_RANKS_EXIT
     if settings.tp is not None:  # the lifespan stopped the engine thread: tell the other ranks
         _stop_the_other_ranks(state.worker.engine)
-    if state.background_compile is not None and state.background_compile.running:
-        sys.stdout.flush()  # a compile in progress has nothing to keep: don't wait for it
+    _exit_now_if_compiling(state.background_compile)
+    return 0
+
+
+def _exit_now_if_compiling(background):
+    """A compile in progress has nothing to keep: exit 0 now rather than wait for it, and rather than let the
+    interpreter finalize around its thread, which may be inside torch's C++ code (a thread that takes the GIL
+    during finalization aborts the process)."""
+    if background is not None and background.running:
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return 0
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -210,8 +217,9 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
             engine = LockstepEngine(model, **engine_args)
             rank = SimpleNamespace(model=model, engine=engine, max_batch=settings.max_batch,
                                    max_length=engine.max_length, between_steps=None)
-            _background_compile(settings, rank, mode)  # the same compile and warm-up as rank 0's
+            background = _background_compile(settings, rank, mode)  # the same compile and warm-up as rank 0's
             engine.follow()
+            _exit_now_if_compiling(background)
             return None
         engine_class = LockstepEngine
     worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal,
