@@ -56,7 +56,7 @@ def write_adapters(model_dir: Path, root: Path, count: int) -> list[str]:
     import torch
 
     import dgemma
-    from dgemma.model.adapters import write_peft_adapter
+    from dgemma.weights.peft import write_peft_adapter
 
     if not count:
         return []
