@@ -310,7 +310,7 @@ def main():
     parser.add_argument("--memory-every", type=int, default=0, help="also read the server's RSS every N requests "
                                                                    "ended (printed)")
     parser.add_argument("--serve-args", default="--deterministic", help="more `dgemma serve` flags")
-    parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak.png")
+    parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak-mixed.png")
     parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log")
     parser.add_argument("--check", action="store_true", help="exit 1 unless the run was clean")
     args = parser.parse_args()
