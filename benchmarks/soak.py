@@ -2,8 +2,8 @@
 graceful stop at the end.
 
 One server (`--max-batch 8`, LoRA adapters by name, a small prefix cache kept at its budget, a time limit per
-request) and N clients that loop for --minutes, each drawing a request kind (every kind once, then by weight;
-benchmarks/soak_kinds.py: chat, stream, a stream the client drops, n: 2, json_schema, tool calls, images, the step cache, long distinct
+request) and N clients that loop for --minutes, each drawing a request kind (every kind once first, shared
+out over the clients, then by weight; benchmarks/soak_kinds.py: chat, stream, a stream the client drops, n: 2, json_schema, tool calls, images, the step cache, long distinct
 prompts, follow-up turns, prompt scoring with logprobs, a completion without max_tokens), a seed from a
 shared pool and a model (the base or an adapter) at random. Each kind checks its answers (JSON against its
 schema, calls that name a tool with valid arguments, log-probabilities in range...), and answers that must
@@ -110,6 +110,7 @@ class Tally:
         self.answers: dict[tuple, object] = {}
         self.compared = collections.Counter()  # answers compared with an earlier one, by kind
         self.differing = collections.Counter()
+        self.largest_gap = collections.Counter()  # kinds compared within a tolerance: the largest gap seen
         self.samples: list[tuple[float, float, int | None]] = []  # (t, RSS MiB, prefix cache bytes)
         self.health: dict = {}
         self.scrapes = 0
@@ -129,24 +130,33 @@ class Tally:
             elif outcome == "malformed":
                 self.malformed[kind, what] += 1
 
-    def same(self, kind: str, key: tuple, answer):
+    def same(self, kind: str, key: tuple, answer, tolerance: float = 0.0):
+        """`answer` against the first one for `key`: equal, or (numbers: `tolerance` > 0) each within it."""
         with self.lock:
             if key not in self.answers:
                 self.answers[key] = answer
                 return
             self.compared[kind] += 1
-            self.differing[kind] += self.answers[key] != answer
+            first = self.answers[key]
+            if tolerance:
+                gaps = [abs(a - b) for a, b in zip(first, answer) if a is not None and b is not None]
+                self.largest_gap[kind] = max([self.largest_gap[kind], *gaps])
+                self.differing[kind] += len(first) != len(answer) or any(g > tolerance for g in gaps) \
+                    or [a is None for a in first] != [b is None for b in answer]
+            else:
+                self.differing[kind] += first != answer
 
 
-def client_loop(index: int, url: str, deadline: float, tally: Tally, shared: Shared, mix: dict):
+def client_loop(index: int, clients: int, url: str, deadline: float, tally: Tally, shared: Shared, mix: dict):
     rng = random.Random(index)
     names, weights = zip(*mix.items())
-    first = rng.sample([n for n, w in mix.items() if w], sum(w > 0 for w in weights))  # each kind once, then by weight
+    # the kinds shared out over the clients first, each sent once even after the deadline, then by weight
+    first = [n for n, w in mix.items() if w][index::clients]
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as http:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or first:
             name = first.pop() if first else rng.choices(names, weights)[0]
             call = Call(http, rng, shared, seed=rng.choice(SEEDS), model=rng.choice(shared.models),
-                        same=lambda key, answer, name=name: tally.same(name, key, answer),
+                        same=lambda key, answer, tolerance=0.0, name=name: tally.same(name, key, answer, tolerance),
                         note=lambda what: tally.notes.update([what]))
             start = time.monotonic()
             try:
@@ -203,8 +213,11 @@ def drain_on_sigterm(server: Server, shared: Shared, tally: Tally, grace: float)
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and httpx.get(f"{server.url}/health", timeout=10).json()["active"] < 1:
+    deadline = time.monotonic() + 600  # a loaded machine admits slowly
+    while time.monotonic() < deadline:  # both admitted (running or queued) before the signal
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        if health["active"] + health["waiting"] >= 2:
+            break
         time.sleep(0.05)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
@@ -336,7 +349,8 @@ def main():
             sampler = threading.Thread(target=sample_loop, args=(server, stop, tally), daemon=True)
             sampler.start()
             deadline = time.monotonic() + args.minutes * 60
-            clients = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, shared, mix))
+            clients = [threading.Thread(target=client_loop,
+                                        args=(i, args.clients, server.url, deadline, tally, shared, mix))
                        for i in range(args.clients)]
             for thread in clients:
                 thread.start()
@@ -385,6 +399,7 @@ def report(args, tally: Tally, mix: dict, width: float, wall: float, health: dic
         "unexpected_errors": {f"{k}: {w}": n for (k, w), n in tally.errors.items()},
         "malformed": {f"{k}: {w}": n for (k, w), n in tally.malformed.items()},
         "compared": sum(tally.compared.values()), "differing": differing, "notes": dict(tally.notes),
+        "largest_gap": dict(tally.largest_gap),
         "latency_s": {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99)},
         "rss_drift": drift, "rss_max_mib": round(max(m for _, m, _ in tally.samples), 1),
         "prefix_cache": health.get("prefix_cache"), "idle_at_end": health["active"] == 0 and health["waiting"] == 0,
