@@ -199,8 +199,9 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
     sampling = model.sampling_config.replace(**settings.step_cache)
-    if sampling.step_cache and (adapters or settings.tp is not None):
-        raise StartupError("--step-cache on works with neither --lora nor a split model yet")
+    refusal = model.step_cache_refusal(1 if adapters else 0)  # the server's default applies to every request
+    if sampling.step_cache and refusal is not None:
+        raise StartupError(f"--step-cache on: {refusal}")
     vocab_size = model.config.vocab_size
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(settings, folder, model) if task == "text" else None
