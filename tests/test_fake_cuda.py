@@ -206,6 +206,12 @@ def test_generation_on_cuda(monkeypatch, quantize):
             stop, history = adaptive_stop(new_argmax_history(2, B, L, "cuda"), step.argmax, step.entropy, 0.005)
             on_cuda(step.canvas, step.entropy, step.accepted, stop, history)
     assert {"aten::mm", "aten::_grouped_mm"} <= ops.seen  # bf16 on CUDA: the experts' grouped GEMM
+    if quantize:  # on CUDA the codes are dequantised for bf16 matmuls: none of the CPU's int4/int8 kernels
+        from dgemma.quant.kernels import kernels
+        from dgemma.quant.quantize import cpu_int4_kernel_applies
+
+        assert not cpu_int4_kernel_applies(model)
+        assert set(kernels(model, 256).values()) >= {f"{quantize} dequantised to bfloat16, then a bfloat16 matmul"}
 
 
 def test_images_on_cuda(monkeypatch):
