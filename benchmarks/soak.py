@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from dgemma.commands._common import plot_file
+from dgemma.processes import resident_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -80,9 +81,8 @@ class Server:
 
     def rss_mib(self) -> float | None:
         try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-        except (OSError, StopIteration):
+            return resident_memory(self.proc.pid)["rss"] / 2**20
+        except OSError:
             return None
 
     def _copy_output(self):
