@@ -130,9 +130,10 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
                             log_config=_log_config(settings.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
     server = GracefulServer(config, state, grace_seconds=settings.shutdown_grace)
     server.run(sockets=[sock])
-    if state.worker.fatal:
+    if state.worker.fatal:  # the other ranks are gone (a SIGTERM from the launcher ends them first)
         from dgemma.engine.lockstep import LOST_RANKS_EXIT
 
+        _exit_now_if_compiling(state.background_compile, LOST_RANKS_EXIT)
         return LOST_RANKS_EXIT
     if settings.tp is not None:  # the lifespan stopped the engine thread: tell the other ranks
         _stop_the_other_ranks(state.worker.engine)
@@ -140,14 +141,15 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     return 0
 
 
-def _exit_now_if_compiling(background):
-    """A compile in progress has nothing to keep: exit 0 now rather than wait for it, and rather than let the
-    interpreter finalize around its thread, which may be inside torch's C++ code (a thread that takes the GIL
-    during finalization aborts the process)."""
+def _exit_now_if_compiling(background, code: int = 0):
+    """A compile in progress has nothing to keep: exit with `code` now rather than wait for it, and rather than
+    let the interpreter finalize around its thread, which is inside torch's C++ code while it traces (a thread
+    that takes the GIL during finalization there aborts the process: "terminate called without an active
+    exception")."""
     if background is not None and background.running:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 def _listen(host: str, port: int) -> socket.socket:
