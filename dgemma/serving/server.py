@@ -118,7 +118,9 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     def lost_ranks():
         print(f"dgemma serve: {state.worker.fatal}; answering 503 to new work until stopped", file=sys.stderr,
               flush=True)
-        threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+        stop = threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True))
+        stop.daemon = True  # a server stopped sooner (SIGTERM) exits without waiting for it
+        stop.start()
 
     state = build_state(settings, loader, on_fatal=lost_ranks)
     if state is None:  # a rank other than 0 of a split model: it stepped with rank 0 until told to stop
