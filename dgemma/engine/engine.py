@@ -397,30 +397,26 @@ class Engine:
                              else torch.zeros_like(result.accepted[0])])
         accepted, edited, corrected = (list(map(bool, row)) for row in host_read(marks, "drafts"))
         tokens = st.argmax_tokens if st.denoising.sampler.commits_argmax else host_read(pending.draft[0], "drafts")
-        step_cache = st.denoising.step_cache  # with the step cache, the positions this step kept: one more read
-        settled = None if step_cache is None else list(map(bool, host_read(step_cache.kept[0], "drafts")))
+        cache = st.denoising.step_cache  # with the step cache, the positions this step kept: one more read
+        settled = None if cache is None else list(map(bool, host_read(cache.kept[0], "drafts")))
         return Event("draft", r.request_id, st.canvas_index, step=st.denoising.step_index - 1, tokens=list(tokens),
                      entropy=host_read(result.entropy[0], "drafts"), accepted=accepted, edited=edited,
                      corrected=corrected, phase="predictor" if result.predictor else "corrector", settled=settled)
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
-        """Each generating row's logits (1, L, V): rows without the step cache from one forward over their whole
-        canvases; rows with it from one packed forward over their active positions (one more host read: each
-        row's count; dgemma.generation.step_cache)."""
-        out, L, states = [None] * len(batch), self.canvas_length, [r.state for r in batch]
+        """Each generating row's logits (1, L, V): rows without the step cache from one forward over their canvases;
+        rows with it from one packed forward over their active positions (dgemma.generation.step_cache)."""
+        out, L, states = {}, self.canvas_length, [r.state for r in batch]
+        whole = [i for i, st in enumerate(states) if st.denoising.step_cache is None]
         cached = [i for i, st in enumerate(states) if st.denoising.step_cache is not None]
-        actives, counts = active_counts([states[i].denoising.step_cache for i in cached],
-                                        [states[i].denoising.done for i in cached]) if cached else ([], [])
-        # every step cache row runs packed, all positions active or not: the packed step writes the keys/values
-        # settled positions keep into the cache's canvas slots, which the whole-canvas step does not
-        packed = list(zip(cached, actives, counts))
-        whole = sorted(set(range(len(batch))) - {i for i, _, _ in packed})
+        # every position active or not, packed: it writes the keys/values settled positions keep into the canvas slots
+        packed = list(zip(cached, *active_counts([states[i].denoising.step_cache for i in cached],
+                                                 [states[i].denoising.done for i in cached]))) if cached else []
         if whole:
             logits = self.runner.denoise([states[i].row for i in whole], torch.cat(
                 [states[i].denoising.canvas for i in whole]), [states[i].soft for i in whole])  # (n, L, V)
             self.forwards += 1
-            for j, i in enumerate(whole):
-                out[i] = logits[j : j + 1]
+            out.update({i: logits[j : j + 1] for j, i in enumerate(whole)})
         if packed:
             rows = [states[i] for i, _, _ in packed]
 
@@ -431,14 +427,13 @@ class Engine:
 
             step_logits = packed_step([st.denoising.step_cache for st in rows], [st.denoising.canvas for st in rows],
                                       [active for _, active, _ in packed], [c for _, _, c in packed], forward)
-            for (i, _, _), logits in zip(packed, step_logits):
-                out[i] = logits  # one row a request
+            out.update({i: logits for (i, _, _), logits in zip(packed, step_logits)})  # one row a request
         ran = dict.fromkeys(range(len(batch)), L) | {i: count for i, _, count in packed}
         for i, st in enumerate(states):
             st.decoder_positions += ran[i]
             st.whole_canvas_positions += L
         self.decoder_positions += sum(ran.values())
-        return out
+        return [out[i] for i in range(len(batch))]
 
     def _commit(self, requests: list[Request]):
         """Commit finished canvases, from their argmax tokens already on the host (no read here)."""
