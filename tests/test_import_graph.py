@@ -137,3 +137,13 @@ def test_capability_probes_are_asked_of_dgemma_devices():
     found = {f"{path.relative_to(ROOT.parent)}: {probe}" for path in ROOT.rglob("*.py") if path.name != "devices.py"
              for probe in PROBES if probe in path.read_text()}
     assert sorted(found) == []
+
+
+def test_the_default_dtype_is_one_rule_in_dgemma_devices():
+    """Every default dtype (generate, chat, serve, sudoku, bench --dtype auto, train --precision auto) comes from
+    `devices.default_dtype`, which says why: no other module asks whether bf16 is fast, or measures it, to make
+    a rule of its own (tests/test_devices.py holds that each command asks it)."""
+    rule = ("fast_bf16(", "bf16_per_fp32(", "onednn_runs_bf16(")
+    found = {f"{path.relative_to(ROOT.parent)}: {name}" for path in ROOT.rglob("*.py") if path.name != "devices.py"
+             for name in rule if name in path.read_text()}
+    assert sorted(found) == []

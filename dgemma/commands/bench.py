@@ -16,8 +16,10 @@ from dgemma.commands._common import (
     add_int8_compute_argument,
     add_revision_argument,
     add_step_cache_arguments,
+    agree,
     apply_int8_compute,
     compile_mode,
+    model_width,
     plot_file,
     step_cache_overrides,
     wants_compile,
@@ -39,7 +41,8 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=2, help="runs per measurement; the fastest counts")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32")
+                   help="auto (the default): what the generating commands take for this model (see `dgemma "
+                        "generate --help`); the table and the JSON say which and why")
     p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
                    help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
@@ -68,15 +71,24 @@ def add_arguments(p):
 
 
 def _resolve(args):
-    """--device, and --dtype auto: bf16 wherever the device multiplies it natively (`dgemma.devices`)."""
+    """--device, and --dtype as a `devices.DtypeChoice`: auto asks `devices.default_dtype` for the model
+    benched, as the generating commands do (on a split model, rank 0's answer on every rank)."""
     import torch
 
     from dgemma import devices
 
     device = devices.resolve_device(args.device)
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if devices.native_bf16(device) else torch.float32
-    return device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.dtype != "auto":
+        return device, devices.DtypeChoice(torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                                           f"--dtype {args.dtype}")
+    return device, agree(args, lambda: devices.default_dtype(device, _model_width(args)))
+
+
+def _model_width(args) -> int | None:
+    """The hidden size of the model benched: --model's config.json, else the preset's."""
+    import dgemma
+
+    return model_width(args.model) if args.model else dgemma.get_preset(args.config).hidden_size
 
 
 def _batches(args) -> list[int]:
@@ -109,11 +121,12 @@ def run(args):
     from dgemma.model.compilation import compile_model, is_compiled
 
     batches = _batches(args)
-    device, dtype = _resolve(args)
+    device, dtype_choice = _resolve(args)
+    dtype = dtype_choice.dtype
     if args.tensor_parallel is not None:
         from dgemma.commands.bench_split import run_split
 
-        return run_split(args, batches, device, dtype)
+        return run_split(args, batches, device, dtype_choice)
     torch.manual_seed(args.seed)
     model, name = _model(args, device, dtype)
     apply_int8_compute(args, model)
@@ -127,7 +140,7 @@ def run(args):
     hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
-    ran = _what_runs(model, batches[0], load_before)
+    ran = _what_runs(model, batches[0], load_before, dtype_choice.why)
     for line in _what_runs_lines(ran):
         print("  " + line, file=sys.stderr)
 
@@ -200,14 +213,14 @@ def run(args):
     return 0
 
 
-def _what_runs(model, batch: int, load_before) -> dict:
-    """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the CPU,
-    threads and the load average: what a figure needs beside it to explain itself."""
+def _what_runs(model, batch: int, load_before, dtype_why: str) -> dict:
+    """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the dtype and
+    why (`dtype_why`), the CPU, threads and the load average: what a figure needs beside it to explain itself."""
     from dgemma.model import kernels
 
     canvas_rows = batch * model.config.canvas_length
     out = {"int8_compute": model.integer_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
-           "quantize": getattr(model, "quantization", None),
+           "dtype_why": dtype_why, "quantize": getattr(model, "quantization", None),
            f"canvas step ({canvas_rows} rows)": kernels.kernels(model, canvas_rows),
            f"AR token ({batch} row{'s' if batch > 1 else ''})": kernels.kernels(model, batch),
            "load_average": {"before": load_before}}
@@ -217,7 +230,8 @@ def _what_runs(model, batch: int, load_before) -> dict:
 
 
 def _what_runs_lines(ran: dict) -> list[str]:
-    lines = [f"int8 compute {'on' if ran['int8_compute'] else 'off'}, {ran['dtype']}, weights {ran['quantize'] or 'unquantised'}"]
+    lines = [f"int8 compute {'on' if ran['int8_compute'] else 'off'}, {ran['dtype']} ({ran['dtype_why']}), "
+             f"weights {ran['quantize'] or 'unquantised'}"]
     if "cpu" in ran:
         cpu = ran["cpu"]
         lines[0] += (f"; {cpu['name'] or 'CPU'} ({', '.join(cpu['flags']) or 'no AVX2'}; torch {cpu['torch_capability']}), "

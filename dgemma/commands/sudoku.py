@@ -18,6 +18,7 @@ from dgemma.commands._common import (
     engine_shape,
     refuse_step_cache_with_ar,
     maybe_compile,
+    model_width,
     plot_file,
 )
 
@@ -136,8 +137,7 @@ def _prepare(args):
 
 # -- solving with a model ----------------------------------------------------------------------------
 def _load(args):
-    import torch
-
+    from dgemma import devices
     from dgemma.model import load_model
 
     if args.rounds < 1 or args.candidates < 1:
@@ -147,7 +147,8 @@ def _load(args):
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
                          " (the shipped model is missing from this checkout; train one with scripts/train_sudoku.sh)"))
-    model = load_model(folder, dtype=torch.float32, quantize=args.quantize)
+    args.dtype_choice = devices.default_dtype("cpu", model_width(str(folder)))  # the shipped ones, 128 wide: fp32
+    model = load_model(folder, dtype=args.dtype_choice.dtype, quantize=args.quantize)
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")
