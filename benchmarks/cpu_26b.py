@@ -3,9 +3,9 @@ a 256-token canvas (with self-conditioning, as every step after the first), and 
 one layer's attention projections, dense MLP and routed experts, the LM head and the self-conditioning soft
 embedding; then the tokens/s those imply.
 
-Random weights made directly in int4 (`dgemma.model.random_weights`), bf16 activations, torch's CPU int4
+Random weights made directly in int4 (`dgemma.weights.random_weights`), bf16 activations, torch's CPU int4
 matmul, and int8 compute where `--cpu-int8-compute` (auto: on with VNNI or AMX) turns it on
-(`dgemma.model.int8_compute`). `dgemma bench --config diffusiongemma-26b-a4b --quantize int4` times the same
+(`dgemma.quant.int8_compute`). `dgemma bench --config diffusiongemma-26b-a4b --quantize int4` times the same
 model end to end; this measures each piece once (after one untimed call), to say where a step goes.
 
     python benchmarks/cpu_26b.py [--preset diffusiongemma-26b-a4b] [--steps 16] [--cpu-int8-compute auto|on|off]
@@ -23,8 +23,9 @@ import time
 import torch
 
 import dgemma
-from dgemma.model import PreviousStep, int8_compute, quant
-from dgemma.model.random_weights import random_model
+from dgemma.model.network import PreviousStep
+from dgemma.quant import int8_compute, quantize as quant
+from dgemma.weights.random_weights import random_model
 
 
 def timed(fn):

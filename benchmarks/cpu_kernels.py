@@ -1,11 +1,11 @@
 """Library int4 kernels on a CPU against torch's, at the 26B-A4B's shapes: one table, ratios side by side.
 
 Every product multiplies bf16 activations (M, K) by one int4 weight (N, K) quantised as dgemma quantises
-(`dgemma.model.quant`: symmetric, groups of 32, fp16 scales) and returns bf16 (M, N). The systems:
+(`dgemma.quant.quantize`: symmetric, groups of 32, fp16 scales) and returns bf16 (M, N). The systems:
 
   torch-int4      torch's `_weight_int4pack_mm_for_cpu` (bf16 activations): what an int4 model runs today
   torch-int8      dgemma's int8 compute: the int4 codes widened to int8, then `torch._int_mm`
-                  (`dgemma.model.int8_compute`; the model widens only from 128 rows, timed here at every count)
+                  (`dgemma.quant.int8_compute`; the model widens only from 128 rows, timed here at every count)
   torch-bf16/fp32 the dequantised weight, dense `F.linear`
   ort-acc4/acc0   onnxruntime's `com.microsoft::MatMulNBits`, accuracy level 4 (int8 activations, MLAS's
                   VNNI kernels) and 0 (fp32 activations); the codes and scales are dgemma's bytes as they are
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import devices
-from dgemma.model import int8_compute, quant
+from dgemma.quant import int8_compute, quantize as quant
 
 GROUP = quant.GROUP_SIZE["int4"]
 # (part, K, N, row counts): the 26B-A4B's weights (hidden 2816; experts 704 wide, gate|up fused; dense MLP
@@ -322,13 +322,13 @@ def measure(args) -> tuple[list, dict]:
 def moe_layer(args) -> dict:
     """Router + 128 experts top-8 over each of `--moe-tokens` token counts: dgemma's QuantExperts on torch's int4
     kernel (int8 compute off and on: it widens experts with 128 rows or more), on OpenVINO
-    (`dgemma.model.openvino_experts`, timed at every count: the model gives it MIN_ENTRIES entries or more),
+    (`dgemma.quant.openvino`, timed at every count: the model gives it MIN_ENTRIES entries or more),
     and onnxruntime's QMoE (its CPU op gates with SwiGLU only: timing, not parity)."""
     import dataclasses
 
     import dgemma
-    from dgemma.model import openvino_experts
-    from dgemma.model.random_weights import random_model
+    from dgemma.quant import openvino as openvino_experts
+    from dgemma.weights.random_weights import random_model
 
     full = dgemma.get_preset("diffusiongemma-26b-a4b")
     config = dataclasses.replace(full, num_layers=1, layer_types=full.layer_types[:1], vocab_size=1024)

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma import devices
-from dgemma.model import PreviousStep, int8_compute, quant
-from dgemma.model.random_weights import random_model
+from dgemma.model.network import PreviousStep
+from dgemma.quant import int8_compute, quantize as quant
+from dgemma.weights.random_weights import random_model
 
 
 def best_of(fns: dict, repeats: int) -> dict:

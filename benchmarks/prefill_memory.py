@@ -40,7 +40,7 @@ def child(args) -> dict:
     import dgemma
     from dgemma.config import FULL, SLIDING, SamplingConfig
     from dgemma.engine import Engine, Request
-    from dgemma.model.random_weights import random_model
+    from dgemma.weights.random_weights import random_model
 
     full = dgemma.get_preset("diffusiongemma-26b-a4b")
     kinds = [SLIDING, FULL] * args.layers

@@ -139,8 +139,8 @@ def build_model(name: str):
     the CPU has it, as the 26B-A4B runs on a CPU."""
     if name == "512":
         return model_512()
-    from dgemma.model import int8_compute
-    from dgemma.model.random_weights import random_model
+    from dgemma.quant import int8_compute
+    from dgemma.weights.random_weights import random_model
 
     model = random_model(dgemma.get_preset(name), dtype=torch.bfloat16, quantize="int4", seed=0).eval()
     int8_compute.enable(model, "auto")

@@ -22,7 +22,7 @@ from dgemma import devices
 from dgemma.engine import Engine
 from dgemma.engine.allocator import keep_freed_memory
 from dgemma.generation.canvas import positions_needed
-from dgemma.model.random_weights import random_model
+from dgemma.weights.random_weights import random_model
 
 PROMPT, CANVAS_TOKENS, STEPS = 64, 256, 16
 # kernel name fragments -> kind (first match wins); compiled kernels are inductor's, eager ones ATen's

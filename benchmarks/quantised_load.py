@@ -19,7 +19,7 @@ import torch
 
 import dgemma
 from dgemma.config import ModelConfig
-from dgemma.model.random_weights import random_model
+from dgemma.weights.random_weights import random_model
 
 PARAMS_26B = 25.25e9
 

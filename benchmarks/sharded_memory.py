@@ -45,8 +45,9 @@ def write_checkpoint(config, folder: Path):
     """Random bf16 weights, written tensor by tensor (never a full fp32 copy in this process)."""
     import torch
 
-    from dgemma.model import DiffusionGemma, save_pretrained
-    from dgemma.model.checkpoint import LazyWeights
+    from dgemma.model.network import DiffusionGemma
+    from dgemma.weights.checkpoint import save_pretrained
+    from dgemma.weights.checkpoint import LazyWeights
 
     with torch.device("meta"):
         model = DiffusionGemma(config)
@@ -81,7 +82,7 @@ def worker(model_dir: str, data: str, mode: str, out: str):
     if mode == "sharded":
         model, optimizer, _ = _model_and_optimizer(config, model_config, eos_id, env)
     else:  # what a plain load does: every process reads the whole checkpoint, then FSDP shards it
-        from dgemma.model import load_model
+        from dgemma.weights.hub import load_model
 
         model = load_model(model_dir)
         configure_trainable(model, objective="diffusion", lora=None, train_router=False)

@@ -252,7 +252,7 @@ def write_adapters(model_dir: Path, root: Path, count: int) -> list[str]:
     import torch
 
     import dgemma
-    from dgemma.model.adapters import write_peft_adapter
+    from dgemma.weights.peft import write_peft_adapter
 
     model = dgemma.load_model(model_dir)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)

@@ -43,9 +43,9 @@ def _timed(fns: dict, repeats: int) -> dict:
 
 
 def positions(args) -> dict:
-    from dgemma.model import PreviousStep
+    from dgemma.model.network import PreviousStep
     from dgemma.model.packing import PackedPositions
-    from dgemma.model.random_weights import random_model
+    from dgemma.weights.random_weights import random_model
 
     config = dgemma.get_preset(args.preset)
     config = config.replace(num_layers=args.layers, layer_types=config.layer_types[: args.layers])
@@ -101,7 +101,7 @@ class _Recorder:
 def sudoku_bench(args) -> dict:
     """Through the engine, as `dgemma sudoku eval` (single shot, eager): one evaluation per system."""
     from dgemma.commands.sudoku import SHIPPED
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, evaluate, sudoku_sampling
 

@@ -40,7 +40,7 @@ def main():
         model = args.model
         if model is None:
             import dgemma
-            from dgemma.model.random_weights import random_model
+            from dgemma.weights.random_weights import random_model
 
             model = f"{tmp}/bench-20m"
             dgemma.save_pretrained(random_model(dgemma.get_preset("bench-20m")), model)

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.config import ConfigError
     from dgemma.devices import DeviceError
-    from dgemma.model.checkpoint import CheckpointError
-    from dgemma.model.parallel import SplitError
+    from dgemma.weights.checkpoint import CheckpointError
+    from dgemma.parallel.plan import SplitError
     from dgemma.tokenizer import TokenizerError
 
     return (UsageError, ConfigError, DeviceError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
@@ -87,7 +87,7 @@ def bound_kernel_caches():
 
 def _resolve_model_names(args):
     """`--model` (and convert's SRC_DIR) may name a Hugging Face id: commands only ever see a local folder."""
-    from dgemma.model.hub import resolve_model
+    from dgemma.weights.hub import resolve_model
 
     for attr in ("model", "src"):
         name = getattr(args, attr, None)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "tp", None) is None:
             raise
         # a split model's rank whose collectives failed: another rank died or hangs
-        from dgemma.model.parallel import describe_failure
+        from dgemma.parallel.group import describe_failure
 
         print(f"dgemma {args.command}: rank {args.tp.rank}: {describe_failure(e)}", file=sys.__stderr__)
         return 1

@@ -242,7 +242,7 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 @functools.cache
 def cpu_has_int8_dot() -> bool:
     """Whether this CPU multiplies int8 natively (x86 with AVX-512 VNNI, AVX-VNNI or AMX-INT8): what makes
-    `dgemma.model.int8_compute` pay."""
+    `dgemma.quant.int8_compute` pay."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_info()[1])
@@ -269,12 +269,12 @@ def cpu_capability() -> str:
 
 @functools.cache
 def has_cpu_int4_kernel() -> bool:
-    """Whether this torch has its CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`, `dgemma.model.quant`)."""
+    """Whether this torch has its CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`, `dgemma.quant.quantize`)."""
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def int4_kernel_layout_known(rows: int) -> bool:
     """Whether torch's CPU int4 kernel holds a weight of `rows` output rows in the layout dgemma reads
-    (`dgemma.model.int8_compute.Int4Widener`): whole blocks of 64 rows, as torch packs them on an AVX-512 CPU
+    (`dgemma.quant.int8_compute.Int4Widener`): whole blocks of 64 rows, as torch packs them on an AVX-512 CPU
     (on AVX2 it packs another way)."""
     return rows % 64 == 0 and cpu_capability() == "AVX512"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.model import CheckpointError
+from dgemma.weights.checkpoint import CheckpointError
 
 TOL = 1e-4
 
@@ -220,7 +220,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("dgemma.model.shards.write_safetensors", boom)
+    monkeypatch.setattr("dgemma.weights.shards.write_safetensors", boom)
     with pytest.raises(OSError):
         dgemma.save_pretrained(model, tmp_path / "m")
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before

@@ -13,7 +13,7 @@ import dgemma
 from dgemma.commands._common import add_compile_arguments, wants_compile
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
-from dgemma.model import compilation
+from dgemma.compilation import policy, steps
 
 
 @pytest.fixture(scope="module")
@@ -37,35 +37,35 @@ def test_compile_policy_flags_environment_and_warm_cache(model, monkeypatch, tmp
     assert not wants_compile(_args("warm"), model) and wants_compile(_args("warm", "--compile"), model)
     with pytest.raises(SystemExit):
         _args(True, "--eager", "--compile")
-    assert not compilation.is_warm(model)
-    compilation.mark_warm(model, compilation.default_mode(model.device))
-    assert compilation.is_warm(model) and wants_compile(_args("warm"), model)
+    assert not policy.is_warm(model)
+    policy.mark_warm(model, policy.default_mode(model.device))
+    assert policy.is_warm(model) and wants_compile(_args("warm"), model)
     assert not wants_compile(_args("warm", "--compile-mode", "max-autotune"), model)  # another mode: cold
-    assert not compilation.is_warm(copy.deepcopy(model).to(torch.bfloat16))  # another dtype: cold
+    assert not policy.is_warm(copy.deepcopy(model).to(torch.bfloat16))  # another dtype: cold
     monkeypatch.setenv("DGEMMA_EAGER", "1")
     assert not wants_compile(_args(True), model) and not wants_compile(_args("warm"), model)
     assert wants_compile(_args(True, "--compile"), model)
     # a big model on a CPU: eager unless asked or already compiled once (the tiny one stands in for it)
     monkeypatch.delenv("DGEMMA_EAGER")
-    monkeypatch.setattr(compilation, "CPU_EAGER_ABOVE_PARAMS", model.config.param_counts()["total"] - 1)
+    monkeypatch.setattr(policy, "CPU_EAGER_ABOVE_PARAMS", model.config.param_counts()["total"] - 1)
     big = copy.deepcopy(model).to(torch.bfloat16)
     assert not wants_compile(_args(True), big) and wants_compile(_args(True, "--compile"), big)
-    compilation.mark_warm(big, compilation.default_mode(big.device))
+    policy.mark_warm(big, policy.default_mode(big.device))
     assert wants_compile(_args(True), big)
     # the mode by device (a CUDA device needs no GPU to be named)
-    assert compilation.default_mode("cpu") == "max-autotune-no-cudagraphs"
-    assert compilation.default_mode("cuda") == "default"
+    assert policy.default_mode("cpu") == "max-autotune-no-cudagraphs"
+    assert policy.default_mode("cuda") == "default"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user"))
-    assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    assert policy.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
     # inductor writes its /tmp default into TORCHINDUCTOR_CACHE_DIR once asked: that is not the user's choice
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    monkeypatch.setattr(compilation, "_USER_CACHE_DIR", None)
+    monkeypatch.setattr(policy, "_USER_CACHE_DIR", None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    assert compilation.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
+    assert policy.cache_dir() == tmp_path / "user" / "dgemma" / "torchinductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
-    assert compilation.cache_dir() == tmp_path / "chosen"
+    assert policy.cache_dir() == tmp_path / "chosen"
 
 
 def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, monkeypatch, tmp_path, capfd):
@@ -80,20 +80,20 @@ def test_compiling_unavailable_or_failing_runs_eagerly_after_one_warning(model, 
     torch._dynamo.reset()  # no compiled code of other tests' models
     no_compiler = torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")})
     with no_compiler, temporary_cache_dir(str(tmp_path)):  # an empty cache: inductor needs its compiler
-        refused = compilation.compile_model(copy.deepcopy(model))
-        assert not compilation.is_compiled(refused)
+        refused = steps.compile_model(copy.deepcopy(model))
+        assert not steps.is_compiled(refused)
         assert [r.tokens for r in Engine(refused, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "C++" in err[0], err
 
-        monkeypatch.setattr(compilation, "unavailable_reason", lambda device: None)
-        failing = compilation.compile_model(copy.deepcopy(model))
-        assert compilation.is_compiled(failing)  # compiles lazily, at the first step
+        monkeypatch.setattr(steps, "unavailable_reason", lambda device: None)
+        failing = steps.compile_model(copy.deepcopy(model))
+        assert steps.is_compiled(failing)  # compiles lazily, at the first step
         assert [r.tokens for r in Engine(failing, max_batch=2).generate(prompts, s, seeds=[3, 4])] == eager
-        assert not compilation.is_compiled(failing)
+        assert not steps.is_compiled(failing)
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("warning: torch.compile unavailable") and "failed" in err[0], err
-        assert not compilation.is_warm(failing)
+        assert not policy.is_warm(failing)
     torch._dynamo.reset()
 
 
@@ -112,7 +112,7 @@ def test_training_compiles_when_the_run_pays_the_compile_back():
     assert json.loads((Path(__file__).parents[1] / "scripts" / "sudoku-model.json").read_text())["hidden_size"] == 128
 
     def choose(steps, warm=False, config=recipe, tokens_per_step=tokens):
-        return compilation.training_choice(config, steps=steps, tokens_per_step=tokens_per_step, warm=warm)
+        return policy.training_choice(config, steps=steps, tokens_per_step=tokens_per_step, warm=warm)
 
     assert not choose(30) and not choose(200) and choose(300)
     assert "30 steps do not pay back" in str(choose(30)) and str(choose(30)).startswith("eager (")
@@ -120,21 +120,21 @@ def test_training_compiles_when_the_run_pays_the_compile_back():
     assert choose(200, warm=True) and not choose(30, warm=True) and "in the compile cache" in str(choose(200, True))
     assert choose(200, tokens_per_step=4 * tokens)  # four times the work per step: pays back sooner
     big = recipe.replace(hidden_size=8192, intermediate_size=32768)
-    assert big.param_counts()["total"] > compilation.CPU_EAGER_ABOVE_PARAMS
+    assert big.param_counts()["total"] > policy.CPU_EAGER_ABOVE_PARAMS
     assert not choose(100_000, warm=True, config=big) and "parameters" in str(choose(100_000, config=big))
 
 
 def test_training_shape_and_the_warm_marker_follow_the_step(model, monkeypatch, tmp_path):
     """The training marker is keyed by the step's shape: another batch or precision is cold."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    shape = compilation.training_shape(objective="diffusion", batch=64, length=163, precision="bf16", lora=False)
-    assert not compilation.is_warm(model, "training", shape)
-    compilation.mark_warm(model, "training", shape)
-    assert compilation.is_warm(model, "training", shape)
+    shape = policy.training_shape(objective="diffusion", batch=64, length=163, precision="bf16", lora=False)
+    assert not policy.is_warm(model, "training", shape)
+    policy.mark_warm(model, "training", shape)
+    assert policy.is_warm(model, "training", shape)
     for other in (dict(batch=32), dict(precision="fp32")):
         changed = {**dict(objective="diffusion", batch=64, length=163, precision="bf16", lora=False), **other}
-        assert not compilation.is_warm(model, "training", compilation.training_shape(**changed))
-    assert not compilation.is_warm(model, compilation.default_mode(model.device), shape)  # generation's mode
+        assert not policy.is_warm(model, "training", policy.training_shape(**changed))
+    assert not policy.is_warm(model, policy.default_mode(model.device), shape)  # generation's mode
 
 
 def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tmp_path, capsys):
@@ -144,22 +144,22 @@ def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tm
     from dgemma import cli
     from dgemma.commands._common import engine_shape
     from dgemma.commands.sudoku import SHIPPED
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
     from dgemma.tasks.sudoku_eval import MAX_LENGTH
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DGEMMA_EAGER", raising=False)
     shipped = load_model(SHIPPED, dtype=torch.float32)
-    mode = compilation.default_mode("cpu")
-    compilation.mark_warm(shipped, mode, engine_shape(32, MAX_LENGTH))  # what a compiled eval leaves
+    mode = policy.default_mode("cpu")
+    policy.mark_warm(shipped, mode, engine_shape(32, MAX_LENGTH))  # what a compiled eval leaves
     compiled = []
-    monkeypatch.setattr(compilation, "compile_model", lambda model, *a, **k: compiled.append(k) or model)
+    monkeypatch.setattr(steps, "compile_model", lambda model, *a, **k: compiled.append(k) or model)
     solve = ["sudoku", "solve", "--no-live", "--steps", "2"]
     assert cli.main(solve) in (0, 1)
     assert not compiled
     err = capsys.readouterr().err
     assert "step: eager (this shape (batch 1, length" in err and "not in the compile cache" in err, err
-    compilation.mark_warm(shipped, mode, engine_shape(1, MAX_LENGTH))  # what a compiled solve leaves
+    policy.mark_warm(shipped, mode, engine_shape(1, MAX_LENGTH))  # what a compiled solve leaves
     assert cli.main(solve) in (0, 1)
     assert compiled == [{"shape": engine_shape(1, MAX_LENGTH)}]
     assert "step: compiled (this shape (batch 1, length" in capsys.readouterr().err

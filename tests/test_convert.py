@@ -17,8 +17,9 @@ import torch
 
 import dgemma
 from dgemma.cli import main as dgemma_main
-from dgemma.model.convert import convert_gemma4
-from dgemma.model import CheckpointError, PreviousStep
+from dgemma.weights.convert import convert_gemma4
+from dgemma.weights.checkpoint import CheckpointError
+from dgemma.model.network import PreviousStep
 from tests.conftest import perturb_every_tensor
 
 TOL = 1e-4
@@ -440,7 +441,7 @@ def test_dry_run_writes_nothing(good_source, tmp_path, capsys):
 
 # -- writing: streamed, atomic ---------------------------------------------------------------------
 def test_streams_one_source_tensor_at_a_time(good_source, tmp_path, monkeypatch):
-    import dgemma.model.convert as conv
+    import dgemma.weights.convert as conv
 
     live, peak, calls = set(), [0], [0]
     real = conv._load_source_tensor
@@ -460,7 +461,7 @@ def test_streams_one_source_tensor_at_a_time(good_source, tmp_path, monkeypatch)
 
 
 def test_failure_midway_leaves_nothing(good_source, tmp_path, monkeypatch):
-    import dgemma.model.convert as conv
+    import dgemma.weights.convert as conv
 
     real, calls = conv._load_source_tensor, [0]
 

@@ -1,4 +1,4 @@
-"""Routed experts on OpenVINO's int4 x int8 kernels (dgemma.model.openvino_experts, the cpu-kernels extra):
+"""Routed experts on OpenVINO's int4 x int8 kernels (dgemma.quant.openvino, the cpu-kernels extra):
 the codes it is handed, its products against the fp32 product of the dequantised weights, a whole model's
 logits against torch's path, and what `dgemma bench` reports as run."""
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma import devices
-from dgemma.model import int8_compute, kernels, openvino_experts, quant
-from dgemma.model.quant import quantize_model, use_cpu_int4_kernel
+from dgemma.quant import int8_compute, kernels, openvino as openvino_experts, quantize as quant
+from dgemma.quant.quantize import quantize_model, use_cpu_int4_kernel
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None,
                                     reason="openvino is not installed (pip install 'dgemma[cpu-kernels]')")

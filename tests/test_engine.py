@@ -11,7 +11,7 @@ import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, QueueFull, Request
 from dgemma.generation import CanvasTemplate, generate
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_compiled_quantised_decoder_gives_the_same_tokens(model):
     instead of the traced grid: the same tokens as the eager quantised engine."""
     import copy
 
-    from dgemma.model.quant import quantize_model
+    from dgemma.quant.quantize import quantize_model
 
     quantised = copy.deepcopy(model)
     quantize_model(quantised, "int8")

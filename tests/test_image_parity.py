@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import dgemma
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 from dgemma.images import ImageProcessor, expand_image_tokens
 from tests.conftest import make_hf_model, unperturbed_tensors
 
@@ -150,7 +150,7 @@ def test_vision_mask_lets_an_image_see_itself_both_ways(tmp_path):
 def test_quantisation_leaves_the_vision_tower_alone(pair):
     import copy
 
-    from dgemma.model.quant import quantize_model
+    from dgemma.quant.quantize import quantize_model
 
     hf, model = pair
     batch = PROCESSOR(pictures((37, 53)))

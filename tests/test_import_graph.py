@@ -139,6 +139,40 @@ def test_capability_probes_are_asked_of_dgemma_devices():
     assert sorted(found) == []
 
 
+# The house, bottom to top: a module imports only from its own room and the rooms below it (README's Layout).
+HOUSE = ("config", "devices", "device_sync", "processes", "tokenizer", "images",  # the ground floor
+         "model",  # the network alone
+         "quant", "compilation", "weights", "parallel",  # what is done to the network: kernels, compiling, files, ranks
+         "sampling", "structured", "generation", "engine",  # generating
+         "chat", "tasks", "training", "serving",  # the users of generation
+         "commands", "cli", "__main__")
+# Old import paths kept for one release with a DeprecationWarning (CHANGELOG.md): they point up on purpose.
+DEPRECATED_ALIASES = {"dgemma.model.parallel", "dgemma.model.parallel_load"}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dgemma"
+
+
+def test_imports_flow_down_the_house():
+    rank = {room: i for i, room in enumerate(HOUSE)}
+    found = sorted(f"{name} -> {m}" for name, imports in import_graph().items()
+                   if _room(name) != "dgemma" and name not in DEPRECATED_ALIASES
+                   for m in imports if _room(m) != "dgemma" and rank[_room(m)] > rank[_room(name)])
+    assert found == []
+    assert {_room(name) for name in import_graph()} <= set(HOUSE) | {"dgemma"}  # a new room is placed in HOUSE
+
+
+def test_the_model_room_holds_the_network_alone():
+    """dgemma/model/ knows nothing of files, kernels, ranks or compiling: it imports the ground floor only."""
+    ground = set(HOUSE[:HOUSE.index("model")])
+    found = sorted(f"{name} -> {m}" for name, imports in import_graph().items()
+                   if _room(name) == "model" and name not in DEPRECATED_ALIASES
+                   for m in imports if _room(m) not in ground | {"model"})
+    assert found == []
+
+
 def test_the_default_dtype_is_one_rule_in_dgemma_devices():
     """Every default dtype (generate, chat, serve, sudoku, bench --dtype auto, train --precision auto) comes from
     `devices.default_dtype`, which says why: no other module asks whether bf16 is fast, or measures it, to make

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 from tests.conftest import TINY_TEXT_CONFIGS, hf_config, unperturbed_tensors
 
 TOL = 1e-4

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from conftest import make_hf_model, wait_until
 from dgemma.config import SamplingConfig
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 
 # 4 query heads, 2 KV heads (sliding), 1 global KV head (full layers: replicated), 8 experts top-2; widths
 # such that o_proj's and down_proj's row splits fall on int8 group bounds (64)
@@ -96,9 +96,9 @@ def loop_and_scores(model):
 
 
 def _split_passes(rank, folder, out):
-    from dgemma.model import int8_compute
-    from dgemma.model.parallel import join
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.quant import int8_compute
+    from dgemma.parallel.group import join
+    from dgemma.parallel.load import load_split_model
 
     tp = join("cpu")
     int8_compute.MIN_TABLE_ENTRIES = 0  # the tiny table's int8 codes too
@@ -120,7 +120,8 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
     tokens for a batch of 4 prompts of different lengths, the plain loop's tokens and the engine's prompt
     scores the same. int8 with integer compute (--cpu-int8-compute on, the tied table's codes too): logits as
     far from the dequantised weights' as one process's integer compute's, in order of magnitude."""
-    from dgemma.model import int8_compute, load_model
+    from dgemma.quant import int8_compute
+    from dgemma.weights.hub import load_model
 
     out = tmp_path / "split.pt"
     spawn_ranks(_split_passes, 2, split_checkpoint, out)
@@ -166,8 +167,8 @@ def odd_vocab_checkpoint(tmp_path_factory):
 
 
 def _odd_vocab_passes(rank, folder, out):
-    from dgemma.model.parallel import join
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.parallel.group import join
+    from dgemma.parallel.load import load_split_model
 
     model = load_split_model(folder, join("cpu"))
     assert model.embed_tokens.weight.shape[0] == 487  # 973 padded to 974, over 2 ranks
@@ -185,7 +186,7 @@ def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_pat
     import subprocess
     import sys
 
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
 
     out = tmp_path / "odd.pt"
     spawn_ranks(_odd_vocab_passes, 2, odd_vocab_checkpoint, out)
@@ -205,9 +206,9 @@ def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_pat
 
 def _compiled_and_eager(rank, folder, out):
     from dgemma.engine import Engine
-    from dgemma.model.compilation import compile_model, is_compiled
-    from dgemma.model.parallel import join
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.compilation.steps import compile_model, is_compiled
+    from dgemma.parallel.group import join
+    from dgemma.parallel.load import load_split_model
 
     model = load_split_model(folder, join("cpu"))
     # one canvas from prompts of one length: one graph of each kind (a compile costs minutes on two cores)
@@ -267,8 +268,8 @@ def images_and_search(model):
 
 
 def _images_and_search(rank, folder, out):
-    from dgemma.model.parallel import join
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.parallel.group import join
+    from dgemma.parallel.load import load_split_model
 
     results = images_and_search(load_split_model(folder, join("cpu")))
     if rank == 0:
@@ -278,7 +279,7 @@ def _images_and_search(rank, folder, out):
 def test_images_and_the_verifier_search_split_equal_one_process(gemma4_vision_model_dir, tmp_path):
     """A prompt with an image (the vision tower replicated on every rank) beside one without, and a verifier
     search over rounds: 2 ranks give one process's tokens (and rounds) per seed."""
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
 
     out = tmp_path / "images.pt"
     spawn_ranks(_images_and_search, 2, gemma4_vision_model_dir, out)
@@ -317,8 +318,8 @@ def _pace_at(engine, chunk_tokens: int):
 
 def _lockstep_with_cache(rank, folder, out, deterministic):
     from dgemma.engine.lockstep import LockstepEngine
-    from dgemma.model.parallel import join
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.parallel.group import join
+    from dgemma.parallel.load import load_split_model
 
     model = load_split_model(folder, join("cpu", 30))
     engine = LockstepEngine(model, max_batch=2, max_length=256, prefix_cache_bytes=1 << 24,
@@ -340,7 +341,7 @@ def test_lockstep_ranks_read_the_leaders_chunks_and_share_the_prefix_cache(split
     follow-up turn that takes its prompt's blocks from the cache. The tokens are one process's; in
     deterministic mode too (aligned spans, undone and read again on every rank; a decoder forward a row)."""
     from dgemma.engine import Engine
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
 
     out = tmp_path / "lockstep.pt"
     spawn_ranks(_lockstep_with_cache, 2, split_checkpoint, out, deterministic)
@@ -571,7 +572,7 @@ def test_split_constraints_and_the_plan(capsys):
     """More GPUs than there are, KV heads neither divided nor replicated whole; `info` prints the plan."""
     import dgemma
     from dgemma.cli import main
-    from dgemma.model.parallel import SplitError, check_split, plan_bytes
+    from dgemma.parallel.plan import SplitError, check_split, plan_bytes
 
     config = dgemma.get_preset("tiny")
     with pytest.raises(SplitError, match="needs 2 GPUs, torch sees 0"):

@@ -17,7 +17,7 @@ import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine, Request
 from dgemma.engine.scheduler import PrefillPace
-from dgemma.model.quant import quantize_model
+from dgemma.quant.quantize import quantize_model
 from tests.conftest import perturb_every_tensor
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from dgemma.config import ModelConfig
-from dgemma.model.checkpoint import INDEX_FILE, checkpoint_key
+from dgemma.weights.checkpoint import INDEX_FILE, checkpoint_key
 from dgemma.model.network import DiffusionGemma
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ CONFIG = ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=1024, 
 CHILD = """
 import json, resource, sys, torch
 import dgemma
-from dgemma.model.quant import weight_bytes
+from dgemma.quant.quantize import weight_bytes
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 model = dgemma.load_model(sys.argv[1], dtype=torch.bfloat16, quantize="int8")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

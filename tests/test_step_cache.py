@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 from dgemma.model.packing import PackedPositions
 from tests.conftest import perturb_every_tensor
 
@@ -262,7 +262,7 @@ def test_an_int8_model_with_the_prefix_cache_and_the_step_cache_gives_the_plain_
     active counts in one step: the engine's tokens are the plain loop's, with the step cache on."""
     from dgemma.engine import Engine
     from dgemma.generation import generate
-    from dgemma.model.quant import quantize_model
+    from dgemma.quant.quantize import quantize_model
 
     model = quantize_model(_model(), "int8")
     on = dgemma.SamplingConfig(max_new_tokens=32, eos_token_ids=(1,), max_denoising_steps=6, step_cache=True,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import dgemma
 from dgemma.cli import main as cli_main
 from dgemma.config import ConfigError
-from dgemma.model import PreviousStep
+from dgemma.model.network import PreviousStep
 from dgemma.training import TrainConfig, learning_rate, train
 from dgemma.training.data import DataError, Example, TextEncoder, collate, load_jsonl
 from dgemma.training.lora import apply_lora
@@ -152,12 +152,12 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
     """--compile compiles the blocks on a CPU (the suite's DGEMMA_EAGER=1 lifted here): the same losses as
     --eager step by step, in fp32, within float reassociation. A 4-step run left to the default stays eager
     (it would not pay the compile back) and says so; the compiled run marks its shape warm."""
-    from dgemma.model import compilation
+    from dgemma.compilation import policy
 
     monkeypatch.delenv("DGEMMA_EAGER", raising=False)
     # warm markers in a folder of the test's own (inductor's cache stays where it is: no cold compile here)
-    monkeypatch.setattr(compilation, "_marker", lambda model, mode, shape: tmp_path / "warm" /
-                        compilation.warm_key(model, mode, shape))
+    monkeypatch.setattr(policy, "_marker", lambda model, mode, shape: tmp_path / "warm" /
+                        policy.warm_key(model, mode, shape))
     short = dict(steps=4, log_every=1, save_every=4, precision="fp32")
     eager = train(task_config(tmp_path, "eager", compile=False, **short))
     assert "on cpu, eager (--eager)" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import dgemma
 from dgemma.cli import main as cli_main
-from dgemma.model.checkpoint import model_config
+from dgemma.weights.checkpoint import model_config
 from dgemma.training.memory import memory_plan
 from dgemma.training.model_setup import configure_trainable
 from dgemma.training.weights import materialise, meta_model

@@ -84,7 +84,7 @@ def add_int8_compute_argument(p):
 
 def apply_int8_compute(args, model):
     """`--cpu-int8-compute` on a loaded model (before compiling); a bad combination is a usage error."""
-    from dgemma.model import int8_compute
+    from dgemma.quant import int8_compute
 
     try:
         int8_compute.enable(model, getattr(args, "cpu_int8_compute", "auto"))
@@ -93,7 +93,7 @@ def apply_int8_compute(args, model):
     return model
 
 
-# `--compile-mode auto`'s choice and its cost, for the help texts (dgemma/model/compilation.py says why)
+# `--compile-mode auto`'s choice and its cost, for the help texts (dgemma/compilation/ says why)
 COMPILE_MODE_HELP = (
     "auto (default): max-autotune-no-cudagraphs on a CPU (inductor times its kernel choices; a cold compile "
     "costs minutes on 2 cores, a warm one from the on-disk cache far less: `dgemma bench` prints both), "
@@ -130,32 +130,32 @@ def check_compile_flags(args):
 
 
 def wants_compile(args, model, shape: str | None = None):
-    """The flags of `add_compile_arguments` handed to the compile policy (`compilation.should_compile`), with
-    the shape the command will run (a label: "batch 1, length 256"): a `compilation.Choice`, true when it
+    """The flags of `add_compile_arguments` handed to the compile policy (`policy.should_compile`), with
+    the shape the command will run (a label: "batch 1, length 256"): a `policy.Choice`, true when it
     compiles, whose `str` says why.
     --deterministic runs eagerly: a compiled step's kernels round otherwise than the eager ones (a server
     answers eagerly until its step has compiled), and autotuning picks them by timings, which vary from one
     process to the next."""
-    from dgemma.model import compilation
+    from dgemma.compilation import policy
 
     check_compile_flags(args)
     if getattr(args, "deterministic", False):
-        return compilation.Choice(False, "--deterministic")
+        return policy.Choice(False, "--deterministic")
 
-    return compilation.should_compile(model, compile=getattr(args, "compile", False),
+    return policy.should_compile(model, compile=getattr(args, "compile", False),
                                       eager=getattr(args, "eager", False),
                                       by_default=getattr(args, "compile_by_default", False),
                                       mode=getattr(args, "compile_mode", "auto"), shape=shape)
 
 
 def compile_mode(args, model) -> str:
-    from dgemma.model import compilation
+    from dgemma.compilation import policy
 
-    return compilation.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
+    return policy.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
 
 
 def engine_shape(max_batch: int, max_length: int) -> str:
-    """The label of an engine's shape for the compile cache's warm marker (`compilation.warm_key`)."""
+    """The label of an engine's shape for the compile cache's warm marker (`policy.warm_key`)."""
     return f"batch {max_batch}, length {max_length}"
 
 
@@ -164,7 +164,7 @@ def maybe_compile(args, model, shape: str | None = None, *, announce: bool = Tru
     every rank, which compile alike), after a line on stderr that says the choice and why ("step: eager
     (...)"), after the dtype's ("dtype: bf16 (...)", args.dtype_choice, where the command chose it), unless
     `announce` is False; the model either way. The command's start lines: printed once its input is checked."""
-    from dgemma.model.compilation import compile_model
+    from dgemma.compilation.steps import compile_model
 
     choice = agree(args, lambda: wants_compile(args, model, shape))
     if announce and getattr(getattr(args, "tp", None), "rank", 0) == 0:
@@ -276,7 +276,7 @@ def resolve_device_dtype(args):
 def model_width(model_path: str | None) -> int | None:
     """The hidden size config.json of a model folder gives, or None when the folder cannot be read here
     (loading it then says why)."""
-    from dgemma.model.checkpoint import CheckpointError, model_config
+    from dgemma.weights.checkpoint import CheckpointError, model_config
 
     if model_path is None:
         return None
@@ -290,12 +290,12 @@ def load_from_args(args, *, compile: bool = True, shape: str | None = None, anno
     """The model --model names, in the dtype `resolve_device_dtype` chooses (kept as args.dtype_choice);
     compiled per the flags (for `shape`, see `wants_compile`; `announce`: the choices' lines on stderr) unless
     `compile` is False (the caller decides when)."""
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
 
     device, args.dtype_choice = resolve_device_dtype(args)  # said beside the compile choice (`maybe_compile`)
     dtype = args.dtype_choice.dtype
     if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices
-        from dgemma.model.parallel_load import load_split_model
+        from dgemma.parallel.load import load_split_model
 
         model = load_split_model(args.model, args.tp, device=device, dtype=dtype, quantize=args.quantize)
     else:

@@ -1,4 +1,4 @@
-"""--tensor-parallel N on generate, chat, serve and bench: the model split over N ranks (dgemma.model.parallel).
+"""--tensor-parallel N on generate, chat, serve and bench: the model split over N ranks (dgemma.parallel).
 
 Given alone, dgemma checks the split against the model's config (nothing read but config.json and the
 shard headers) and starts the N ranks itself with torch.distributed's elastic launcher
@@ -66,8 +66,8 @@ def _device(args) -> str:
 
 def check_before_launch(args, ranks: int):
     """The split's constraints, from config.json and the headers alone: one line and exit 2 on failure."""
-    from dgemma.model.checkpoint import inspect_checkpoint
-    from dgemma.model.parallel import SplitError, check_split
+    from dgemma.weights.checkpoint import inspect_checkpoint
+    from dgemma.parallel.plan import SplitError, check_split
 
     device = _device(args)
     if args.model:
@@ -121,7 +121,7 @@ def _quiet_launcher_logs():
 def _join(args):
     import torch
 
-    from dgemma.model.parallel import DEFAULT_TIMEOUT_S, join
+    from dgemma.parallel.group import DEFAULT_TIMEOUT_S, join
     from dgemma.processes import end_with_parent
 
     end_with_parent()  # a launcher killed outright cannot stop its ranks: they stop themselves

@@ -117,8 +117,8 @@ def run(args):
 
     from dgemma.commands import bench_timing as timing
     from dgemma.generation.canvas import positions_needed
-    from dgemma.model import kernels
-    from dgemma.model.compilation import compile_model, is_compiled
+    from dgemma.quant import kernels
+    from dgemma.compilation.steps import compile_model, is_compiled
 
     batches = _batches(args)
     device, dtype_choice = _resolve(args)
@@ -216,7 +216,7 @@ def run(args):
 def _what_runs(model, batch: int, load_before, dtype_why: str) -> dict:
     """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the dtype and
     why (`dtype_why`), the CPU, threads and the load average: what a figure needs beside it to explain itself."""
-    from dgemma.model import kernels
+    from dgemma.quant import kernels
 
     canvas_rows = batch * model.config.canvas_length
     out = {"int8_compute": model.integer_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
@@ -251,7 +251,7 @@ def _model(args, device, dtype):
 
     if args.model:
         return dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize), args.model
-    from dgemma.model.random_weights import random_model
+    from dgemma.weights.random_weights import random_model
 
     # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
     config = dgemma.get_preset(args.config)
@@ -325,7 +325,7 @@ def _dense_copy(model, args, dtype, device):
 
     if args.model:
         return dgemma.load_model(args.model, device="cpu", dtype=dtype)
-    from dgemma.model.random_weights import random_model
+    from dgemma.weights.random_weights import random_model
 
     # random codes have no dense original: dense random weights of the same shape and seed
     return random_model(dgemma.get_preset(args.config), dtype=dtype, seed=args.seed)

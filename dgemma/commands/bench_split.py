@@ -1,6 +1,6 @@
 """`dgemma bench --tensor-parallel N`: the engine on a model split over N ranks (1: one process, the same
 code), tokens/s by batch size, and every rank's memory after loading against the plan
-(`dgemma.model.parallel.plan_bytes`). Run it with N = 1 and N = 2 to compare; only rank 0 prints.
+(`dgemma.parallel.plan.plan_bytes`). Run it with N = 1 and N = 2 to compare; only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _memory() -> dict:
 def _load(args, device, dtype):
     """The model (this rank's part of it): a folder's slices, or random weights made as the slices."""
     import dgemma
-    from dgemma.model.random_weights import random_model
+    from dgemma.weights.random_weights import random_model
 
     tp = getattr(args, "tp", None)
     if tp is None:
@@ -32,8 +32,8 @@ def _load(args, device, dtype):
             return dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
         return random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
                             seed=args.seed)
-    from dgemma.model.parallel import split_model
-    from dgemma.model.parallel_load import load_split_model
+    from dgemma.parallel.modules import split_model
+    from dgemma.parallel.load import load_split_model
 
     if args.model:
         return load_split_model(args.model, tp, device=device, dtype=dtype, quantize=args.quantize)
@@ -46,11 +46,11 @@ def run_split(args, batches: list[int], device, dtype_choice) -> int:
 
     from dgemma.engine import Engine
     from dgemma.generation.canvas import positions_needed
-    from dgemma.model.parallel import plan_bytes
+    from dgemma.parallel.plan import plan_bytes
 
     import dgemma
-    import dgemma.model.parallel_load  # imported before measuring: code is not weights
-    import dgemma.model.random_weights
+    import dgemma.parallel.load  # imported before measuring: code is not weights
+    import dgemma.weights.random_weights
 
     with torch.device("meta"):  # torch's one-time set-up for meta-device models (~70 MB), not weights either
         dgemma.DiffusionGemma(dgemma.get_preset("tiny"))

@@ -260,7 +260,7 @@ class ARTimed(Timed):
 
 
 def save_for_transformers(model) -> tempfile.TemporaryDirectory:
-    from dgemma.model.checkpoint import save_pretrained
+    from dgemma.weights.checkpoint import save_pretrained
 
     tmp = tempfile.TemporaryDirectory(prefix="dgemma-bench-")
     save_pretrained(model, os.path.join(tmp.name, "model"))
@@ -284,7 +284,7 @@ import torch
 import dgemma
 from dgemma.engine import Engine
 from dgemma.generation.canvas import positions_needed
-from dgemma.model.compilation import compile_model, is_compiled
+from dgemma.compilation.steps import compile_model, is_compiled
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 torch.manual_seed(a["seed"])
@@ -297,9 +297,9 @@ else:
         config = config.replace(num_layers=a["layers"], layer_types=config.layer_types[: a["layers"]])
     model = dgemma.DiffusionGemma(config).to(device=a["device"], dtype=dtype).eval()
     if a["quantize"]:
-        from dgemma.model.quant import quantize_model
+        from dgemma.quant.quantize import quantize_model
         quantize_model(model, a["quantize"])
-from dgemma.model import int8_compute
+from dgemma.quant import int8_compute
 int8_compute.enable(model, a["cpu_int8_compute"])
 built = time.perf_counter()
 if a["compile"]:

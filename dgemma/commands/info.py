@@ -12,7 +12,7 @@ from dgemma.commands._common import UsageError, add_revision_argument
 from dgemma.config import ModelConfig, get_preset
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
-GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.model.quant; one fp16 scale per group
+GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.quant.quantize; one fp16 scale per group
 
 
 def add_arguments(p):
@@ -41,7 +41,7 @@ def add_arguments(p):
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
-    """Bytes of weights as `dgemma.model.quant` stores them: every linear and the fused experts quantised
+    """Bytes of weights as `dgemma.quant.quantize` stores them: every linear and the fused experts quantised
     group-wise (+ one fp16 scale per group); the tied embedding / LM head, router, norms and the vision
     tower kept bf16."""
     counts = config.param_counts()
@@ -154,7 +154,7 @@ def run(args):
     if args.model:
         from pathlib import Path
 
-        from dgemma.model.checkpoint import inspect_checkpoint
+        from dgemma.weights.checkpoint import inspect_checkpoint
 
         # every shard's header against the index and the file sizes, every key's fate; no weight is read
         config, stored, plan, stored_format = inspect_checkpoint(Path(args.model))
@@ -216,7 +216,7 @@ def run(args):
 
 def tensor_parallel_plan(config: ModelConfig, args) -> dict:
     """The split over --tensor-parallel ranks (checked as loading checks it) and the weights each rank holds."""
-    from dgemma.model.parallel import SplitError, check_split, plan_bytes
+    from dgemma.parallel.plan import SplitError, check_split, plan_bytes
 
     try:
         check_split(config, args.tensor_parallel, args.quantize if args.quantize != "bf16" else None)

@@ -30,7 +30,7 @@ def run(args):
     import torch
 
     import dgemma
-    from dgemma.model.quant import weight_bytes
+    from dgemma.quant.quantize import weight_bytes
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     # dgemma's layout, not the CPU int4 kernel's: that is what a saved folder holds

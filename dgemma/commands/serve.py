@@ -129,7 +129,7 @@ class ModelFromFlags:
 
 def _check_arguments(args):
     """What can be checked before any weight is read (and, with --replicas, before Ray starts)."""
-    from dgemma.model.checkpoint import model_config
+    from dgemma.weights.checkpoint import model_config
     from dgemma.tasks import read_task
 
     folder = Path(args.model)
@@ -174,7 +174,7 @@ def ray_app(flags: dict):
     """Ray Serve's application builder, for Ray's own tools: `serve run dgemma.commands.serve:ray_app
     model=DIR replicas=2 quantize=int8` on a running cluster, or a `serve deploy` config whose `args` are
     these flags without their dashes. Ray's tools then own the HTTP address and the application's life."""
-    from dgemma.model.hub import resolve_model
+    from dgemma.weights.hub import resolve_model
     from dgemma.serving import replicas
 
     parser = argparse.ArgumentParser(prog="ray_app", exit_on_error=False)

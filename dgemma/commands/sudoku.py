@@ -138,7 +138,7 @@ def _prepare(args):
 # -- solving with a model ----------------------------------------------------------------------------
 def _load(args):
     from dgemma import devices
-    from dgemma.model import load_model
+    from dgemma.weights.hub import load_model
 
     if args.rounds < 1 or args.candidates < 1:
         raise UsageError("--rounds and --candidates must be >= 1")

@@ -48,7 +48,7 @@ from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
-from dgemma.model.compilation import compiled_function
+from dgemma.compilation.steps import compiled_function
 from dgemma.model.packing import PackedPositions
 from dgemma.generation.denoising import CanvasDenoising
 from dgemma.sampling import seed_or_random

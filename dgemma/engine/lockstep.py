@@ -1,4 +1,4 @@
-"""The engine on every rank of a tensor-parallel model (`dgemma.model.parallel`), in lockstep.
+"""The engine on every rank of a tensor-parallel model (`dgemma.parallel`), in lockstep.
 
 Every forward of a split model is a collective: all ranks must run the same batch, step for step. Rank 0
 (the leader: the one that speaks HTTP) owns the queue. Requests and cancellations submitted to it wait

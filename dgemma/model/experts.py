@@ -93,7 +93,7 @@ class Experts(nn.Module):
         return self._batched(x.repeat_interleave(k, dim=0), flat_expert, rank, capacity).view(N, k, -1)
 
     def prepare_for_compile(self):
-        """Called by `dgemma.model.compilation.compile_model` before tracing: see `register_for_compile`."""
+        """Called by `dgemma.compilation.steps.compile_model` before tracing: see `register_for_compile`."""
         register_for_compile(self)
 
     def route(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

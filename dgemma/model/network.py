@@ -22,17 +22,8 @@ import torch.nn.functional as F
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.device_sync import host_read
-from dgemma.model.attention import (
-    KVCache,
-    apply_rope,
-    attention,
-    canvas_mask,
-    causal_mask,
-    image_blocks,
-    rope_inv_freq,
-    rope_tables,
-)
-from dgemma.model.compilation import FusedLinears, fused_inside_graphs
+from dgemma.model.attention import KVCache, apply_rope, attention, canvas_mask, causal_mask, image_blocks, rope_inv_freq, rope_tables
+from dgemma.model.layers import FusedLinears, fused_inside_graphs
 from dgemma.model.experts import Experts
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.packing import PackedPositions
@@ -40,8 +31,8 @@ from dgemma.model.vision import VisionEmbedder, VisionTower
 
 if TYPE_CHECKING:
     from dgemma.model.adapters import AdapterRows
-    from dgemma.model.compilation import CompiledSteps
-    from dgemma.model.int8_compute import Int8Table
+    from dgemma.compilation.steps import CompiledSteps
+    from dgemma.quant.int8_compute import Int8Table
 
 
 # The eager LM head writes its fp32 logits a block of positions at a time (see `DiffusionGemma.head`), and
@@ -267,14 +258,14 @@ class DiffusionGemma(nn.Module):
         self.sampling_config = sampling_config or SamplingConfig(
             eos_token_ids=(config.eos_token_id,), pad_token_id=config.pad_token_id
         )
-        # what loading (dgemma.model.checkpoint) records: the config.json and generation_config.json read
+        # what loading (dgemma.weights.checkpoint) records: the config.json and generation_config.json read
         # (kept for saving), the folder (its tokenizer files are saved along), every checkpoint key's fate
         self.hf_config: dict | None = None
         self.hf_generation_config: dict | None = None
         self.source_dir: str | Path | None = None
         self.load_report: dict[str, str] | None = None
-        self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.model.quant
-        # integer compute (dgemma.model.int8_compute.enable): whether it is on, and the tied table's int8 codes
+        self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.quant.quantize
+        # integer compute (dgemma.quant.int8_compute.enable): whether it is on, and the tied table's int8 codes
         # (LM head, soft embedding) when the table is large enough to repay them
         self.integer_compute_on = False
         self.int8_table: Int8Table | None = None
@@ -290,7 +281,7 @@ class DiffusionGemma(nn.Module):
             self.vision_tower = VisionTower(config.vision)
             self.embed_vision = VisionEmbedder(config.vision, config.hidden_size)
         self._inv_freq: dict = {}
-        # `decode_canvas` and `encode_tokens` under torch.compile, once dgemma.model.compilation.compile_model
+        # `decode_canvas` and `encode_tokens` under torch.compile, once dgemma.compilation.steps.compile_model
         # made them; `encode` and `denoise` call them instead of the eager ones
         self.compiled: CompiledSteps | None = None
         if self.embed_tokens.weight.device.type != "meta":
@@ -532,7 +523,7 @@ class DiffusionGemma(nn.Module):
 
     def decode_canvas(self, canvas_ids, soft, buffers, rope, key_rope, masks, return_hidden: bool = False):
         """The decoder from canvas ids to logits (B, L, V) fp32, or the hidden states (B, L, H), on tensors
-        alone: the compile boundary (`dgemma.model.compilation.compile_model` compiles it as `self.compiled`).
+        alone: the compile boundary (`dgemma.compilation.steps.compile_model` compiles it as `self.compiled`).
 
         buffers[i] = (keys, values or None), each (B, Hkv, L + S, D) [canvas | prefix] for layer i: the
         canvas's own entries are written into the first L slots, then the layer attends to all of it.

@@ -32,7 +32,7 @@ from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from dgemma.chat.codec import PromptError
-from dgemma.model.compilation import is_compiled
+from dgemma.compilation.steps import is_compiled
 from dgemma.serving import openapi
 from dgemma.serving import responses as bodies
 from dgemma.serving.completions import echo_only, generate, score, tool_constraint

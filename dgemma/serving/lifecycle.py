@@ -11,7 +11,7 @@ on a thread of its own, then the engine thread switches to it between two steps.
                            warm-up engine (its own cache) ────────┘ ready: release_compiled(model), the
                                                                     engine's sampler scan becomes the warmed one
 
-The compiled functions run only on the compile thread until released (`dgemma.model.compilation`), and after
+The compiled functions run only on the compile thread until released (`dgemma.compilation`), and after
 the switch dynamo's stance is "eager_on_recompile": a call whose shapes the warm-up did not compile runs
 eagerly instead of compiling, so the engine thread never traces or waits for a compile (the warm-up runs
 requests shaped as served ones to cover most). The warm-up engine has the serving engine's batch size and
@@ -20,7 +20,7 @@ marks batch and prefix length dynamic after the warm-up's two of each). Its cach
 The sampler's compiled scan is handed over as it is: a new torch.compile wrapper would compile again. When
 compiling fails the model stays eager (one warning line).
 
-A split model (dgemma/model/parallel.py) does this on every rank at once: each rank's compile thread runs the
+A split model (dgemma/parallel/) does this on every rank at once: each rank's compile thread runs the
 same warm-up over the group's second process group (its compiled graphs and the thread's eager collectives),
 while the engine threads step eagerly over the first, and the ranks switch at one lockstep step: rank 0
 sends the switch when its step is ready, and each rank takes it when its own is (dgemma/engine/lockstep.py).
@@ -56,7 +56,7 @@ import uvicorn
 
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
-from dgemma.model.compilation import compile_model, is_compiled, release_compiled
+from dgemma.compilation.steps import compile_model, is_compiled, release_compiled
 from dgemma.serving.state import ServerState
 
 log = logging.getLogger("dgemma.serve")

@@ -71,7 +71,7 @@ def _gpus_per_replica(settings: ServerSettings) -> float:
 
 def build_replica_state(settings: ServerSettings, loader: ModelLoader):
     """`build_state` in a replica: a model given as a Hugging Face id is fetched into this node's cache."""
-    from dgemma.model.hub import is_hub_id, resolve_model
+    from dgemma.weights.hub import is_hub_id, resolve_model
 
     if not Path(settings.model).is_dir() and is_hub_id(settings.model_id):
         settings = replace(settings, model=str(resolve_model(settings.model_id, settings.revision)))

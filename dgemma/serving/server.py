@@ -57,7 +57,7 @@ class ServerSettings:
     log_level: str
     prefill_chunk: int | None
     deterministic: bool
-    tp: object = None  # this rank of a split model (dgemma.model.parallel), None for a whole model
+    tp: object = None  # this rank of a split model (dgemma.parallel), None for a whole model
     # replicas on Ray Serve (replicas.py)
     replicas: int | None = None
     ray_address: str | None = None
@@ -72,7 +72,7 @@ class ServerSettings:
     @property
     def served_name(self) -> str:
         """The `model` clients send: --served-model-name, else the Hugging Face id, else the folder's name."""
-        from dgemma.model.hub import is_hub_id
+        from dgemma.weights.hub import is_hub_id
 
         typed = self.model_id  # the id, when the folder came from the Hugging Face cache
         return self.served_model_name or (typed if is_hub_id(typed) and not Path(typed).exists()
@@ -255,7 +255,8 @@ def _load_adapters(settings: ServerSettings, model) -> tuple[str, ...]:
     A StartupError (one line) for a malformed flag, a name served twice, or an adapter that does not fit."""
     if not settings.lora:
         return ()
-    from dgemma.model.adapters import AdapterError, install_adapters, read_peft_adapter
+    from dgemma.model.adapters import AdapterError, install_adapters
+    from dgemma.weights.peft import read_peft_adapter
 
     flags: list[tuple[str, Path]] = []
     for value in settings.lora:

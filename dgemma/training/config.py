@@ -42,7 +42,7 @@ def comma_list(text: str) -> tuple[str, ...]:
 
 def byte_size(text: str) -> int:
     """"80GB", "80GiB", "1e9" -> bytes."""
-    from dgemma.model.shards import parse_size
+    from dgemma.weights.shards import parse_size
 
     return parse_size(text)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dgemma.config import ConfigError
-from dgemma.model.checkpoint import LazyWeights, save_pretrained
+from dgemma.weights.checkpoint import LazyWeights, save_pretrained
 from dgemma.training.config import TrainConfig
 from dgemma.training.lora import merge_lora_state
 from dgemma.training.state import latest_checkpoint, list_checkpoints, read_model_tensors, read_trainer_state
@@ -74,7 +74,8 @@ def export_adapter(checkpoint: Path, out: Path) -> Path | None:
     on stderr, when they have no PEFT form (adapted experts)."""
     import sys
 
-    from dgemma.model.adapters import AdapterError, write_peft_adapter
+    from dgemma.model.adapters import AdapterError
+    from dgemma.weights.peft import write_peft_adapter
     from dgemma.training.model_setup import resolve_model_config
 
     config = TrainConfig.from_json(read_trainer_state(checkpoint)["config"])
@@ -110,7 +111,7 @@ def _folder_reader(folder: Path, plan, shapes):
     """names -> full tensors read from the base model's safetensors (one shard file open at a time)."""
     from safetensors import safe_open
 
-    from dgemma.model.checkpoint import read_headers
+    from dgemma.weights.checkpoint import read_headers
 
     stored = read_headers(folder)
 

@@ -26,7 +26,7 @@ import torch
 
 from dgemma import devices
 from dgemma.config import ConfigError
-from dgemma.model import compilation
+from dgemma.compilation import policy
 from dgemma.training import distributed as D
 from dgemma.training.config import TrainConfig
 from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
@@ -315,29 +315,29 @@ def _model_and_optimizer(config: TrainConfig, model_config, eos_id: int, env: D.
 
 
 def compile_policy(config: TrainConfig, env: D.DistEnv, model, *, steps: int, shape: str,
-                   tokens_per_step: int) -> compilation.Choice:
+                   tokens_per_step: int) -> policy.Choice:
     """Whether to compile the blocks, and why (`--eager`, then DGEMMA_EAGER=1, then where compiled training
-    is measured, then `--compile`, then whether `steps` pay the compile back: `compilation.training_choice`,
+    is measured, then `--compile`, then whether `steps` pay the compile back: `policy.training_choice`,
     which asks whether this shape is in the compile cache). Measured on one CPU process only, so eager
     elsewhere: on CUDA the routed experts are an opaque op in a graph, with no backward; under FSDP or
     activation checkpointing the regions' interplay with compiling is untested."""
     if not config.compile:
-        return compilation.Choice(False, "--eager")
+        return policy.Choice(False, "--eager")
     if os.environ.get("DGEMMA_EAGER", "") not in ("", "0"):
-        return compilation.Choice(False, "DGEMMA_EAGER is set")
+        return policy.Choice(False, "DGEMMA_EAGER is set")
     if env.device.type != "cpu" or env.distributed or config.activation_checkpointing:
-        return compilation.Choice(False, "compiled training is measured on one CPU process only")
+        return policy.Choice(False, "compiled training is measured on one CPU process only")
     if config.force_compile:
-        return compilation.Choice(True, "--compile")
-    return compilation.training_choice(model.config, steps=steps, tokens_per_step=tokens_per_step,
-                                       warm=compilation.is_warm(model, TRAINING_MODE, shape))
+        return policy.Choice(True, "--compile")
+    return policy.training_choice(model.config, steps=steps, tokens_per_step=tokens_per_step,
+                                       warm=policy.is_warm(model, TRAINING_MODE, shape))
 
 
 def _step_shape(config: TrainConfig, env: D.DistEnv, model_config, dataset) -> tuple[str, int]:
     """(the label of this run's step shape for the compile cache, the tokens one process steps on)."""
     micro = config.micro_batch_size or config.batch_size // env.world_size
     length = dataset.longest_row(model_config.canvas_length)
-    shape = compilation.training_shape(objective=config.objective, batch=micro, length=length,
+    shape = policy.training_shape(objective=config.objective, batch=micro, length=length,
                                        precision=config.mixed_precision or config.precision, lora=config.lora)
     return shape, config.batch_size // env.world_size * length
 

@@ -45,7 +45,7 @@ def memory_plan(config: ModelConfig, *, world_size: int, micro_batch: int, seq: 
                 objective: str = "diffusion", train_router: bool = False, lora_base_bf16: bool = False,
                 compute_bf16: bool = False, activation_checkpointing: bool = False) -> dict:
     """Bytes per process for each of TERMS and their total; see the module docstring."""
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.network import DiffusionGemma
     from dgemma.training.model_setup import configure_trainable
 
     with torch.device("meta"):

@@ -15,7 +15,7 @@ import torch
 
 from dgemma import devices
 from dgemma.config import FULL, ConfigError, ModelConfig, get_preset
-from dgemma.model.checkpoint import read_json
+from dgemma.weights.checkpoint import read_json
 from dgemma.model.experts import Experts
 from dgemma.training.lora import apply_lora
 
@@ -73,7 +73,7 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     if model_dir is not None:
         if overrides:
             raise ConfigError("model field overrides (--set, --vocab-size) only apply with --init")
-        from dgemma.model.checkpoint import read_config, read_headers, without_missing_vision
+        from dgemma.weights.checkpoint import read_config, read_headers, without_missing_vision
 
         # the shard headers say whether a vision tower is stored (config.json always describes one): the
         # memory plan must count what the run will hold
@@ -123,7 +123,7 @@ def configure_trainable(model, *, objective: str, lora: dict | None, train_route
     return n
 
 
-TRAINING_MODE = "training"  # the warm marker's mode for compiled training (`compilation.warm_key`)
+TRAINING_MODE = "training"  # the warm marker's mode for compiled training (`policy.warm_key`)
 
 
 def compile_for_training(model, shape: str | None = None):
@@ -138,19 +138,19 @@ def compile_for_training(model, shape: str | None = None):
     compile cache once a step ran), or None where compiling is unavailable (no C++ compiler, no triton): the
     model stays eager after one warning line, as does the whole model once a compile fails (CompiledOrEager).
     """
-    from dgemma.model import compilation
+    from dgemma.compilation import policy, steps
 
-    reason = compilation.unavailable_reason(model.device)
+    reason = policy.unavailable_reason(model.device)
     if reason is not None:
-        compilation.warn_eager(reason)
+        policy.warn_eager(reason)
         return None
-    compilation.use_disk_cache()
+    policy.use_disk_cache()
     # one graph per (layer kind, with or without gradients, sequence length): a few more than the default 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    state = compilation.CompileState(model, TRAINING_MODE, shape)
+    state = steps.CompileState(model, TRAINING_MODE, shape)
     for block in model.layers:
         for experts in (m for m in block.modules() if isinstance(m, Experts)):
             experts.trace_grid = False  # a step's thousands of tokens route unevenly: see dgemma.model.experts
-        block.feed_forward = compilation.CompiledOrEager(block.feed_forward, state)
-        block.self_attn.project = compilation.CompiledOrEager(block.self_attn.project, state)
+        block.feed_forward = steps.CompiledOrEager(block.feed_forward, state)
+        block.self_attn.project = steps.CompiledOrEager(block.self_attn.project, state)
     return state

@@ -34,13 +34,13 @@ def plain_name(name: str) -> str:
 def meta_model(model_dir: str | None, config: ModelConfig, eos_id: int, dtype: torch.dtype):
     """(model on the meta device in `dtype`, the load plan or None). From a folder: the checkpoint's headers
     are checked and every key's fate decided (as `load_model` does), but no weight is read."""
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.network import DiffusionGemma
 
     if model_dir is None:
         with torch.device("meta"):
             model = DiffusionGemma(config, SamplingConfig(eos_token_ids=(eos_id,), pad_token_id=config.pad_token_id))
         return model.to(dtype), None
-    from dgemma.model.checkpoint import open_checkpoint
+    from dgemma.weights.checkpoint import open_checkpoint
 
     model, plan, _ = open_checkpoint(Path(model_dir))
     if model.quantization:
@@ -103,7 +103,7 @@ def random_init_tensors(config: ModelConfig, seed: int, shapes: dict[str, tuple]
     draws them: parameters in order from one generator (normal * initializer_range for matrices, ones for
     vectors), buffers (the layer scalars) ones. Names must be asked for in `shapes` order (a model's
     `state_dict` order, which keeps the parameters in `named_parameters` order)."""
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.network import DiffusionGemma
 
     with torch.device("meta"):
         reference = DiffusionGemma(config)
@@ -129,7 +129,7 @@ def random_init_tensors(config: ModelConfig, seed: int, shapes: dict[str, tuple]
 
 def _random_init(targets: dict[str, torch.Tensor], config: ModelConfig, seed: int):
     """Each rank draws every tensor of the seeded init in turn and keeps its rows. Peak: one full tensor."""
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.network import DiffusionGemma
 
     with torch.device("meta"):
         reference = DiffusionGemma(config)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from dgemma.model.checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, CheckpointError, read_json
-from dgemma.model.checkpoint import load_model as load_folder
+from dgemma.weights.checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, CheckpointError, read_json
+from dgemma.weights.checkpoint import load_model as load_folder
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 SMALL_FILES = ("config.json", "generation_config.json", INDEX_FILE, "dgemma_task.json", *TOKENIZER_FILES)

@@ -2,7 +2,7 @@
 figures, so that a tokens/s figure says what ran.
 
 The parts: the routed experts, the projections (attention q/k/v/o and the dense MLPs: every `nn.Linear` of a
-layer) and the LM head. Which kernel runs depends on the rows a product sees (`dgemma.model.int8_compute`
+layer) and the LM head. Which kernel runs depends on the rows a product sees (`dgemma.quant.int8_compute`
 widens int4 codes to int8 only from `MIN_ROWS_TO_WIDEN` rows), so each is described for a row count: a
 canvas step at batch 1 multiplies 256 rows by every projection, but an expert sees its share of them (~16
 of 256 x top-8 over 128 experts), and an AR token 1 row.
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from dgemma import devices
-from dgemma.model import int8_compute
+from dgemma.quant import int8_compute
 from dgemma.model.experts import Experts
-from dgemma.model.quant import QuantExperts, QuantLinear
+from dgemma.quant.quantize import QuantExperts, QuantLinear
 
 INT4_KERNEL = "torch int4 (_weight_int4pack_mm_for_cpu, {dtype} activations)"
 

@@ -10,7 +10,7 @@ a quantised model then runs as
     out = int32 * row scale * weight channel scale (N,)
 
 which needs one scale per output channel of the weight, where the stored formats keep one per group of
-32 / 64 inputs (`dgemma.model.quant`). So:
+32 / 64 inputs (`dgemma.quant.quantize`). So:
   int8 models -- each weight is requantised once, in place, to one scale per channel (the codes keep their
                  bytes; the group scales are all set to the channel's, so the model still reads, saves and
                  dequantises as before): every row count runs in int8;
@@ -206,7 +206,7 @@ class Int8Table:
 def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
     """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
-    `library`: the kernels of int4 routed experts (`dgemma.model.openvino_experts`): "openvino", "torch", or
+    `library`: the kernels of int4 routed experts (`dgemma.quant.openvino`): "openvino", "torch", or
     "auto": OpenVINO where it is installed, unless the environment variable DGEMMA_CPU_KERNELS says torch."""
     if library not in LIBRARIES:
         raise ValueError(f"experts' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
@@ -216,7 +216,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
         return False
     if model.integer_compute_on:
         return True
-    for module in model.modules():  # QuantLinear and QuantExperts (dgemma.model.quant) hold `int8`
+    for module in model.modules():  # QuantLinear and QuantExperts (dgemma.quant.quantize) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):
             module.int8 = _prepare(module, "qweight", "scales")
         elif hasattr(module, "int8"):
@@ -234,7 +234,7 @@ def _experts_to_library(model: nn.Module, required: bool):
     """Every int4 QuantExperts to OpenVINO's kernels, where it is installed and the machine has the memory for
     its copy of the weights (one note line on stderr either way, none where it is not installed; `required`:
     not installed is an error)."""
-    from dgemma.model import openvino_experts as library
+    from dgemma.quant import openvino as library
 
     if library.unavailable():
         if required:

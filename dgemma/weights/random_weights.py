@@ -12,8 +12,7 @@ import torch
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import (GROUP_SIZE, QuantExperts, cpu_int4_kernel_applies, kernel_scales, random_quantized, swap_modules,
-                                use_cpu_int4_kernel)
+from dgemma.quant.quantize import GROUP_SIZE, QuantExperts, cpu_int4_kernel_applies, kernel_scales, random_quantized, swap_modules, use_cpu_int4_kernel
 
 
 @torch.no_grad()
@@ -23,7 +22,7 @@ def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torc
     """Matrices normal(0, initializer_range) (quantised: codes uniform over the levels, the same spread),
     norms and scales ones, as `DiffusionGemma.reset_parameters` does; the values depend on `seed` and on
     the device's generator. `reshape(model)` changes the meta-device model before it is filled (a rank's
-    part of a split model: `dgemma.model.parallel.split_model`)."""
+    part of a split model: `dgemma.parallel.modules.split_model`)."""
     with torch.device("meta"):
         model = DiffusionGemma(config, sampling_config).to(dtype)
     if reshape is not None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma import devices
-from dgemma.model import int8_compute
+from dgemma.quant import int8_compute
 from dgemma.model.experts import Experts
 from dgemma.model.layers import gated_gelu
 

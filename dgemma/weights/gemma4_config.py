@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dgemma.config import FULL, SLIDING, ModelConfig, SamplingConfig
-from dgemma.model.checkpoint import CheckpointError, read_json
+from dgemma.weights.checkpoint import CheckpointError, read_json
 
 # `Gemma4TextConfig` defaults for the fields that change the math: a config.json written by transformers
 # lists every field, but a hand-written one may not, and then Gemma 4's defaults (not DiffusionGemma's)

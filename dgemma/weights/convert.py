@@ -13,10 +13,10 @@ mostly a renaming:
          gate/up are random so that down_proj receives a gradient from the first step.
 
 Everything is decided before anything is written: the config is checked field by field (each Gemma 4
-setting that changes the math is either mapped or refused: `dgemma.model.gemma4_config`), every stored tensor is accounted for (mapped,
+setting that changes the math is either mapped or refused: `dgemma.weights.gemma4_config`), every stored tensor is accounted for (mapped,
 dropped on request, or refused as unknown), and shapes are compared with what the config implies, all
-from the safetensors headers (`dgemma.model.checkpoint.read_headers`). Only then are tensors streamed
-one at a time from the memory-mapped source into safetensors files (`dgemma.model.shards`, the writer
+from the safetensors headers (`dgemma.weights.checkpoint.read_headers`). Only then are tensors streamed
+one at a time from the memory-mapped source into safetensors files (`dgemma.weights.shards`, the writer
 `save_pretrained` uses) written in a temporary folder, which is renamed into place at the end; a failure
 or Ctrl-C removes the temporary folder and leaves nothing behind. Peak memory is one tensor (two while
 casting), never a second copy of the model.
@@ -36,15 +36,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig
-from dgemma.model.checkpoint import CheckpointError, checkpoint_key, move_into_place, read_headers
-from dgemma.model.gemma4_config import (
-    check_text_config,
-    generation_config,
-    output_config,
-    read_source_config,
-)
+from dgemma.weights.checkpoint import CheckpointError, checkpoint_key, move_into_place, read_headers
+from dgemma.weights.gemma4_config import check_text_config, generation_config, output_config, read_source_config
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.shards import DTYPES, TensorSpec, human_bytes, pack_shards, parse_size, write_shards
+from dgemma.weights.shards import DTYPES, TensorSpec, human_bytes, pack_shards, parse_size, write_shards
 
 # Parts of Gemma 4 that DiffusionGemma has no place for; `--drop` names them to convert without them.
 DROPPABLE = {

@@ -30,16 +30,8 @@ from safetensors import SafetensorError, safe_open
 
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.model.quant import (
-    FORMATS,
-    GROUP_SIZE,
-    is_kernel_layout,
-    load_dense_into,
-    quantised_tensors,
-    swap_modules,
-    use_cpu_int4_kernel,
-)
-from dgemma.model.shards import INDEX_FILE, SINGLE_FILE, TensorSpec, pack_shards, write_shards
+from dgemma.quant.quantize import FORMATS, GROUP_SIZE, is_kernel_layout, load_dense_into, quantised_tensors, swap_modules, use_cpu_int4_kernel
+from dgemma.weights.shards import INDEX_FILE, SINGLE_FILE, TensorSpec, pack_shards, write_shards
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
@@ -103,7 +95,7 @@ def model_config(path: Path) -> tuple[dict, ModelConfig]:
 
 def stored_quantization(hf_config: dict) -> str | None:
     """"int8" / "int4" when the folder holds weights dgemma saved quantised (`save_pretrained` of a quantised
-    model: codes and scales in dgemma's layout, see dgemma.model.quant), None for plain weights."""
+    model: codes and scales in dgemma's layout, see dgemma.quant.quantize), None for plain weights."""
     q = hf_config.get("quantization_config")
     if not q:
         return None
