@@ -24,7 +24,8 @@ import torch
 
 import dgemma
 from dgemma.model.network import PreviousStep
-from dgemma.quant import int8_compute, quantize as quant
+from dgemma.quant import int8_compute
+from dgemma.quant import quantize as quant
 from dgemma.weights.random_weights import random_model
 
 

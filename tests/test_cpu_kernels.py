@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma import devices
-from dgemma.quant import int8_compute, kernels, openvino as openvino_experts, quantize as quant
+from dgemma.quant import int8_compute, kernels
+from dgemma.quant import openvino as openvino_experts
+from dgemma.quant import quantize as quant
 from dgemma.quant.quantize import quantize_model, use_cpu_int4_kernel
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None,

@@ -173,11 +173,19 @@ def test_the_model_room_holds_the_network_alone():
     assert found == []
 
 
-def test_the_default_dtype_is_one_rule_in_dgemma_devices():
-    """Every default dtype (generate, chat, serve, sudoku, bench --dtype auto, train --precision auto) comes from
-    `devices.default_dtype`, which says why: no other module asks whether bf16 is fast, or measures it, to make
-    a rule of its own (tests/test_devices.py holds that each command asks it)."""
-    rule = ("fast_bf16(", "bf16_per_fp32(", "onednn_runs_bf16(")
-    found = {f"{path.relative_to(ROOT.parent)}: {name}" for path in ROOT.rglob("*.py") if path.name != "devices.py"
-             for name in rule if name in path.read_text()}
-    assert sorted(found) == []
+# Rules written once: each pattern may appear only in the file that defines the rule.
+ONE_DEFINITION = {
+    "% GROUP_SIZE[": "dgemma/quant/quantize.py",  # the int8/int4 group size and its fallback (`group_size`)
+    "step cache does not work with": ("dgemma/model/network.py", "dgemma/parallel/modules.py"),  # step_cache_refusal
+    # the default dtype: every caller takes `devices.default_dtype` (which says why); nothing else asks whether
+    # bf16 is fast or measures it (tests/test_devices.py holds that each command asks it)
+    "fast_bf16(": "dgemma/devices.py", "bf16_per_fp32(": "dgemma/devices.py", "onednn_runs_bf16(": "dgemma/devices.py",
+}
+
+
+def test_rules_written_once_stay_where_they_are_defined():
+    found = sorted(f"{path.relative_to(ROOT.parent)}: {pattern}" for path in ROOT.rglob("*.py")
+                   for pattern, home in ONE_DEFINITION.items()
+                   if pattern in path.read_text() and str(path.relative_to(ROOT.parent)) not in (
+                       home if isinstance(home, tuple) else (home,)))
+    assert found == []

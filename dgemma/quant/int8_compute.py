@@ -1,4 +1,4 @@
-"""Integer compute for quantised models on a CPU: int8 activations x int8 weights, int32 accumulation.
+"""Int8 compute for quantised models on a CPU: int8 activations x int8 weights, int32 accumulation.
 
 A canvas step multiplies 256 rows by every weight, so it is bound by arithmetic, and a CPU with VNNI does
 int8 dot products several times faster than bf16 or fp32 ones (2 cores, a 256 x 2816 x 2112 product:
@@ -51,7 +51,7 @@ MIN_TABLE_ENTRIES = 1 << 24
 
 
 def resolve(mode: str, model: nn.Module) -> bool:
-    """Whether integer compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
+    """Whether int8 compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
     (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
     if mode not in MODES:
         raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
@@ -204,7 +204,7 @@ class Int8Table:
 # -- switching a model over -------------------------------------------------------------------------------
 @torch.no_grad()
 def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
-    """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
+    """Prepare a quantised CPU model for int8 compute (see the module docstring) when `resolve` says so.
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
     `library`: the kernels of int4 routed experts (`dgemma.quant.openvino`): "openvino", "torch", or
     "auto": OpenVINO where it is installed, unless the environment variable DGEMMA_CPU_KERNELS says torch."""
@@ -214,7 +214,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
         library = os.environ.get("DGEMMA_CPU_KERNELS", "auto")
     if not resolve(mode, model):
         return False
-    if model.integer_compute_on:
+    if model.int8_compute_on:
         return True
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.quant.quantize) hold `int8`
         if hasattr(module, "int8") and hasattr(module, "qweight"):
@@ -226,7 +226,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
         _experts_to_library(model, required=library == "openvino")
     table = model.embed_tokens.weight
     model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
-    model.integer_compute_on = True
+    model.int8_compute_on = True
     return True
 
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from dgemma import devices
-from dgemma.quant import int8_compute
 from dgemma.model.experts import Experts
+from dgemma.quant import int8_compute
 from dgemma.quant.quantize import QuantExperts, QuantLinear
 
 INT4_KERNEL = "torch int4 (_weight_int4pack_mm_for_cpu, {dtype} activations)"

@@ -4,7 +4,7 @@ Measured on the 26B-A4B's expert shapes (`benchmarks/cpu_kernels.py`), OpenVINO'
 with dynamic int8 quantisation of its activations (groups of 32) was 2.5-3x torch's int4 kernel at an
 expert's ~16 rows of a canvas, and a whole MoE layer of 256 tokens ran 2.6x faster; onnxruntime's
 MatMulNBits and QMoE, kt-kernel and torchao were slower or could not run Gemma's experts (the table in
-benchmarks/README.md). So where it is installed, integer compute on a CPU (`dgemma.quant.int8_compute`)
+benchmarks/README.md). So where it is installed, int8 compute on a CPU (`dgemma.quant.int8_compute`)
 runs each layer's experts as one OpenVINO graph:
 
     x (R, H) bf16: the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
