@@ -20,6 +20,8 @@ wide (a training step, thousands of rows, at any width); fp32 elsewhere. What ea
   CPU, AVX2          fp32: oneDNN runs no bf16 (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False) and
                      a bf16 matmul takes ATen's scalar fallback, ~40x slower than fp32
   Arm                bf16 where the CPU lists BF16 and the measurement agrees; fp32 without BF16
+An int4 model on an AVX-512 CPU runs bf16 wherever bf16 matmuls are slow or fast: torch's int4 kernel runs
+nearly all of its products and takes fp32 activations ~100x slower than bf16 ones.
 Where the CPU has bf16 instructions, the answer is a short measurement (`cpu_bf16_per_fp32`, ~0.1-0.3 s
 once per CPU, torch and kernel caps, kept in the user's cache folder): it sees what oneDNN will run, which
 the flags do not (ONEDNN_MAX_CPU_ISA capping it below AMX, an OS that does not enable AMX), and it runs
@@ -209,16 +211,22 @@ def fast_bf16(device) -> Verdict:
 CPU_BF16_MIN_HIDDEN = 256
 
 
-def default_dtype(device, hidden_size: int | None, *, training: bool = False) -> DtypeChoice:
+def default_dtype(device, hidden_size: int | None, *, quantize: str | None = None,
+                  training: bool = False) -> DtypeChoice:
     """The dtype a model `hidden_size` wide runs in on `device` when none is asked for, and why: bf16 where
     the device multiplies it fast (`fast_bf16`), on a CPU for inference only from CPU_BF16_MIN_HIDDEN wide
-    (None, a width not known: fp32); fp32 elsewhere. `training`: the dtype of training's compute (autocast),
-    where a step's thousands of rows make bf16 pay at any width."""
+    (None, a width not known: fp32); fp32 elsewhere. `quantize` "int4" on an AVX-512 CPU: bf16 even where
+    bf16 matmuls are slow, for torch's int4 kernel, which runs nearly all of such a model's products, takes
+    fp32 activations ~100x slower than bf16 ones (benchmarks/README.md). `training`: the dtype of training's
+    compute (autocast), where a step's thousands of rows make bf16 pay at any width."""
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and not training and (hidden_size is None or hidden_size < CPU_BF16_MIN_HIDDEN):
         width = "its width not known here" if hidden_size is None else f"{hidden_size} wide"
         return DtypeChoice(torch.float32, f"a model {width}: on a CPU, bf16 pays from {CPU_BF16_MIN_HIDDEN} wide")
     fast = fast_bf16(device)
+    if not fast and on_cpu and quantize == "int4" and onednn_runs_bf16() and has_cpu_int4_kernel():
+        return DtypeChoice(torch.bfloat16, f"int4 weights: torch's int4 kernel takes bf16 activations, fp32 ones "
+                                           f"~100x slower (an unquantised model runs fp32 here: {fast.why})")
     return DtypeChoice(torch.bfloat16 if fast else torch.float32, fast.why)
 
 

@@ -192,7 +192,8 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
 
     import dgemma as lib
     from dgemma import devices
-    from dgemma.commands._common import resolve_device_dtype
+    from dgemma.commands._common import model_shape, resolve_device_dtype
+    from dgemma.weights.checkpoint import quantization_config
 
     wide = tmp_path / "wide"
     lib.save_pretrained(lib.DiffusionGemma(lib.get_preset("tiny").replace(hidden_size=256)), wide)
@@ -205,6 +206,13 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
     assert dtype(tiny_model_dir) == torch.float32
     assert dtype(tmp_path / "missing") == torch.float32
     assert dtype(wide, "fp32") == torch.float32 and dtype(tiny_model_dir, "bf16") == torch.bfloat16
+    # what the rule reads of a folder: its width, and the format its weights were saved in (or --quantize)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config("int4")}))
+    assert model_shape(str(wide)) == (256, "int4") and model_shape(str(wide), "int8") == (256, "int8")
+    assert model_shape(str(tiny_model_dir), "int4") == (64, "int4") and model_shape(None) == (None, None)
+    (wide / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    assert model_shape(str(wide)) == (None, None)  # not a folder dgemma reads: loading says why
 
 
 def test_deterministic_runs_eagerly(monkeypatch):

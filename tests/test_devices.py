@@ -87,6 +87,24 @@ def test_a_narrow_model_runs_fp32_on_a_cpu_and_is_never_measured(play_cpu):
     assert devices.default_dtype("cpu", 64, training=True).dtype == BF16  # a training step: thousands of rows
 
 
+@pytest.mark.parametrize("onednn, flags, measured, dtype", [
+    (True, AVX512_VNNI, None, BF16),  # slow bf16 matmuls, but the int4 kernel's activations
+    (True, AMX, 6.0, BF16),
+    (False, AVX2, None, FP32),  # a bf16 matmul there takes ATen's fallback: the dense parts would crawl
+])
+def test_an_int4_model_takes_bf16_where_torchs_int4_kernel_runs(play_cpu, monkeypatch, onednn, flags, measured, dtype):
+    """torch's CPU int4 kernel runs nearly all of an int4 model's products and takes fp32 activations ~100x
+    slower than bf16 ones: on an AVX-512 CPU an int4 model runs bf16 even where bf16 matmuls are slow."""
+    play_cpu(onednn, flags, measured)
+    monkeypatch.setattr(devices, "has_cpu_int4_kernel", lambda: True)
+    choice = devices.default_dtype("cpu", 2816, quantize="int4")
+    assert choice.dtype == dtype and ("int4 kernel" in choice.why) == (flags == AVX512_VNNI)
+    assert devices.default_dtype("cpu", 2816, quantize="int8").dtype == devices.default_dtype("cpu", 2816).dtype
+    assert devices.default_dtype("cpu", 128, quantize="int4").dtype == FP32  # the width rule first
+    monkeypatch.setattr(devices, "has_cpu_int4_kernel", lambda: False)
+    assert devices.default_dtype("cpu", 2816, quantize="int4").dtype == (BF16 if flags == AMX else FP32)
+
+
 @pytest.mark.parametrize("cuda_bf16", [True, False])
 def test_cuda_takes_bf16_where_torch_runs_it_at_any_width(monkeypatch, cuda_bf16):
     monkeypatch.setattr(devices, "_cuda_bf16", lambda: cuda_bf16)
@@ -162,24 +180,25 @@ def test_every_command_takes_its_default_dtype_from_dgemma_devices(monkeypatch):
 
     asked = []
 
-    def played(device, hidden_size, *, training=False):
-        asked.append((str(device), hidden_size, training))
+    def played(device, hidden_size, *, quantize=None, training=False):
+        asked.append((str(device), hidden_size, quantize, training))
         return devices.DtypeChoice(BF16, "played")
 
     monkeypatch.setattr(devices, "default_dtype", played)
-    monkeypatch.setattr(_common, "model_width", lambda path: 384 if path == "wide" else None)
+    monkeypatch.setattr(_common, "model_shape", lambda path, quantize: (384 if path == "wide" else None, quantize))
 
-    generate = argparse.Namespace(device="cpu", dtype=None, model="wide")
+    generate = argparse.Namespace(device="cpu", dtype=None, model="wide", quantize="int4")
     assert _common.resolve_device_dtype(generate) == ("cpu", devices.DtypeChoice(BF16, "played"))
     assert _common.resolve_device_dtype(argparse.Namespace(**{**vars(generate), "dtype": "fp32"}))[1] == \
         devices.DtypeChoice(FP32, "--dtype fp32")
-    assert bench._resolve(argparse.Namespace(device="cpu", dtype="auto", model=None, config="bench-20m"))[1].why == "played"
-    assert bench._resolve(argparse.Namespace(device="cpu", dtype="bf16", model=None, config="bench-20m"))[1] == \
+    benched = argparse.Namespace(device="cpu", dtype="auto", model=None, config="bench-20m", quantize=None)
+    assert bench._resolve(benched)[1].why == "played"
+    assert bench._resolve(argparse.Namespace(**{**vars(benched), "dtype": "bf16"}))[1] == \
         devices.DtypeChoice(BF16, "--dtype bf16")
     lines = []
     config = _resolved_precision(TrainConfig(data="x", out="y", precision="auto"), distributed.DistEnv(), lines.append)
     assert config.precision == "bf16" and lines == ["precision: bf16 (--precision auto: played)"]
-    assert asked == [("cpu", 384, False), ("cpu", 256, False), ("cpu", None, True)]
+    assert asked == [("cpu", 384, "int4", False), ("cpu", 256, None, False), ("cpu", None, None, True)]
 
 
 def test_sudoku_takes_its_dtype_from_dgemma_devices(monkeypatch, capsys):
@@ -188,7 +207,7 @@ def test_sudoku_takes_its_dtype_from_dgemma_devices(monkeypatch, capsys):
 
     asked = []
 
-    def played(device, hidden_size, *, training=False):
+    def played(device, hidden_size, *, quantize=None, training=False):
         asked.append((device, hidden_size))
         return devices.DtypeChoice(BF16, "played")
 

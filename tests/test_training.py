@@ -189,7 +189,7 @@ def test_precision_auto_takes_bf16_only_where_the_cpu_multiplies_it(tmp_path, mo
     short = dict(steps=1, log_every=1, save_every=1, compile=False)
     for fast, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"), (False, "bf16", "bf16 autocast")]:
         played = devices.DtypeChoice(torch.bfloat16 if fast else torch.float32, f"played {fast}")
-        monkeypatch.setattr(devices, "default_dtype", lambda device, width, training=False, played=played: played)
+        monkeypatch.setattr(devices, "default_dtype", lambda *_, played=played, **__: played)
         train(task_config(tmp_path, f"{fast}-{asked}", precision=asked, **short))
         err = capsys.readouterr().err
         assert f"on cpu, eager (--eager), {runs}" in err

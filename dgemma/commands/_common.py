@@ -68,7 +68,8 @@ def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | 
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bf16 where the device multiplies it faster than fp32: "
                         "CUDA, and CPUs with AMX or AVX512_BF16 where a short measurement says so, for models 256 "
-                        "or more wide; else fp32. The start line says which and why)")
+                        "or more wide, and int4 models on any AVX-512 CPU; else fp32. The start line says which "
+                        "and why)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation applied while loading")
     add_int8_compute_argument(p)
@@ -270,20 +271,23 @@ def resolve_device_dtype(args):
     device = devices.resolve_device(args.device)
     if args.dtype:
         return device, devices.DtypeChoice(getattr(torch, DTYPES[args.dtype]), f"--dtype {args.dtype}")
-    return device, agree(args, lambda: devices.default_dtype(device, model_width(getattr(args, "model", None))))
+    width, quantize = model_shape(getattr(args, "model", None), getattr(args, "quantize", None))
+    return device, agree(args, lambda: devices.default_dtype(device, width, quantize=quantize))
 
 
-def model_width(model_path: str | None) -> int | None:
-    """The hidden size config.json of a model folder gives, or None when the folder cannot be read here
-    (loading it then says why)."""
-    from dgemma.weights.checkpoint import CheckpointError, model_config
+def model_shape(model_path: str | None, quantize: str | None = None) -> tuple[int | None, str | None]:
+    """What the default dtype depends on, read from a model folder's config.json: its hidden size, and how its
+    weights run (`quantize`, else the format it was saved in: "int8", "int4" or None); (None, quantize) when
+    the folder cannot be read here (loading it then says why)."""
+    from dgemma.weights.checkpoint import CheckpointError, model_config, stored_quantization
 
     if model_path is None:
-        return None
+        return None, quantize
     try:
-        return model_config(Path(model_path))[1].hidden_size
+        raw, config = model_config(Path(model_path))
+        return config.hidden_size, quantize or stored_quantization(raw)
     except CheckpointError:
-        return None
+        return None, quantize
 
 
 def load_from_args(args, *, compile: bool = True, shape: str | None = None, announce: bool = True):

@@ -19,7 +19,7 @@ from dgemma.commands._common import (
     agree,
     apply_int8_compute,
     compile_mode,
-    model_width,
+    model_shape,
     plot_file,
     step_cache_overrides,
     wants_compile,
@@ -81,14 +81,17 @@ def _resolve(args):
     if args.dtype != "auto":
         return device, devices.DtypeChoice(torch.bfloat16 if args.dtype == "bf16" else torch.float32,
                                            f"--dtype {args.dtype}")
-    return device, agree(args, lambda: devices.default_dtype(device, _model_width(args)))
+    width, quantize = _model_shape(args)
+    return device, agree(args, lambda: devices.default_dtype(device, width, quantize=quantize))
 
 
-def _model_width(args) -> int | None:
-    """The hidden size of the model benched: --model's config.json, else the preset's."""
+def _model_shape(args) -> tuple[int | None, str | None]:
+    """The width and weight format of the model benched (`model_shape`): --model's config.json, else the
+    preset's width and --quantize."""
     import dgemma
 
-    return model_width(args.model) if args.model else dgemma.get_preset(args.config).hidden_size
+    return model_shape(args.model, args.quantize) if args.model else (dgemma.get_preset(args.config).hidden_size,
+                                                                     args.quantize)
 
 
 def _batches(args) -> list[int]:

@@ -17,7 +17,7 @@ from dgemma.commands._common import (
     denoising_overrides,
     engine_shape,
     maybe_compile,
-    model_width,
+    model_shape,
     plot_file,
     refuse_step_cache_with_ar,
 )
@@ -147,7 +147,8 @@ def _load(args):
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
                          " (the shipped model is missing from this checkout; train one with scripts/train_sudoku.sh)"))
-    args.dtype_choice = devices.default_dtype("cpu", model_width(str(folder)))  # the shipped ones, 128 wide: fp32
+    width, quantize = model_shape(str(folder), args.quantize)  # the shipped models: 128 wide, so fp32
+    args.dtype_choice = devices.default_dtype("cpu", width, quantize=quantize)
     model = load_model(folder, dtype=args.dtype_choice.dtype, quantize=args.quantize)
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
