@@ -48,7 +48,7 @@ def main():
     start = time.perf_counter()
     model = random_model(dgemma.get_preset(args.preset), dtype=torch.bfloat16, quantize="int4")
     out["build_s"] = time.perf_counter() - start
-    out["weight_bytes"] = quant.weight_bytes(model)
+    out["weight_bytes"] = quant.loaded_weight_bytes(model)
     out["cpu_int4_kernel"] = bool(model.layers[0].experts.kernel_layout)
     out["cpu_int8_compute"] = int8_compute.enable(model, args.cpu_int8_compute)
     c = model.config

@@ -269,6 +269,15 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def free_memory_bytes(device) -> int:
+    """Bytes free for new tensors on `device` (a torch device or its name): CUDA's free memory on a GPU,
+    else the host's available memory (`available_host_memory`). Asked afresh each time."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_memory()
+
+
 @functools.cache
 def cpu_capability() -> str:
     """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ..."""

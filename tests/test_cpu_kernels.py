@@ -80,7 +80,7 @@ def test_sudoku_logits_agree_with_torchs_kernels(monkeypatch):
     model: the library's logits as close to it as torch's (mean cosine within 0.001, argmax agreement within a
     point; int4 itself costs more here: cosine 0.996, 94% of the argmaxes of these random canvases). An
     AR-sized call (few entries) stays on torch's path."""
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.tasks import sudoku
 
     puzzles = [e.puzzle for e in sudoku.generate_examples(8, seed=4)]

@@ -32,6 +32,8 @@ from dgemma.quant import int8_compute
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
+CODE_BYTES = {"int8": 1.0, "int4": 0.5}  # one weight's code (int4: two codes a byte)
+SCALE_BYTES = 2  # one fp16 scale per group
 
 
 def group_size(in_features: int, fmt: str) -> int:
@@ -411,7 +413,16 @@ def is_kernel_layout(model: nn.Module) -> bool:
     return any(getattr(module, "kernel_layout", False) for module in model.modules())
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by parameters and buffers (what the weights cost in memory)."""
+def bytes_per_weight(fmt: str) -> float:
+    """What one weight costs stored in `fmt`: "bf16" 2 bytes; "int8" / "int4" its code plus its share of its
+    group's fp16 scale (int8 1 + 2/64 = 1.03125 bytes, int4 0.5 + 2/32 = 0.5625). Every plan of weight bytes
+    from a config asks here (dgemma.engine.memory, dgemma.parallel.plan)."""
+    if fmt == "bf16":
+        return 2.0
+    return CODE_BYTES[fmt] + SCALE_BYTES / GROUP_SIZE[fmt]
+
+
+def loaded_weight_bytes(model: nn.Module) -> int:
+    """Bytes a loaded model's parameters and buffers hold (what its weights cost in memory, measured)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
