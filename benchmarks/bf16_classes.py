@@ -12,7 +12,7 @@ Per class: the probe's bf16/fp32 rate (`devices.cpu_bf16_per_fp32`, measured afr
 cache) and the dtype `devices.default_dtype` takes for bench-20m; a (256 x 2,816) x (2,816 x 1,408) matmul's
 GFLOP/s in fp32 and bf16 (the process's threads, best of 5); and bench-20m (random weights) in fp32 and in
 bf16, side by side in the one process: the engine (batch 1, a 64-token prompt, one 256-token canvas at 16
-fixed steps) and AR decoding (256 tokens), all four timed turn about (`bench_timing.interleave`), the
+fixed steps) and AR decoding (256 tokens), all four timed turn about (`dgemma.benchmarking.timing.interleave`), the
 fastest of --repeats each. Eager by default; --compile compiles both models' steps first (as `dgemma bench`).
 Prints a table, then one JSON line.
 """
@@ -55,7 +55,7 @@ def child(name: str, repeats: int, compile: bool) -> dict:
 
     import dgemma
     from dgemma import devices
-    from dgemma.commands import bench_timing as timing
+    from dgemma.benchmarking import timing
     from dgemma.compilation.steps import compile_model
     from dgemma.weights.random_weights import random_model
 

@@ -192,8 +192,8 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
 
     import dgemma as lib
     from dgemma import devices
-    from dgemma.commands._common import model_shape, resolve_device_dtype
-    from dgemma.weights.checkpoint import quantization_config
+    from dgemma.commands._common import resolve_device_dtype
+    from dgemma.weights.checkpoint import model_shape, quantization_config
 
     wide = tmp_path / "wide"
     lib.save_pretrained(lib.DiffusionGemma(lib.get_preset("tiny").replace(hidden_size=256)), wide)

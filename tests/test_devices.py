@@ -173,8 +173,9 @@ def test_the_probe_honours_a_onednn_cap_which_the_flags_do_not_show():
 def test_every_command_takes_its_default_dtype_from_dgemma_devices(monkeypatch):
     """generate, chat and serve (`load_from_args`), bench --dtype auto, sudoku and train --precision auto all
     ask `devices.default_dtype` for the model they run, and an explicit flag says so as its reason."""
-    from dgemma.commands import _common, bench
+    from dgemma.commands._common import resolve_device_dtype
     from dgemma.training import distributed
+    from dgemma.weights import checkpoint
     from dgemma.training.config import TrainConfig
     from dgemma.training.loop import _resolved_precision
 
@@ -185,15 +186,15 @@ def test_every_command_takes_its_default_dtype_from_dgemma_devices(monkeypatch):
         return devices.DtypeChoice(BF16, "played")
 
     monkeypatch.setattr(devices, "default_dtype", played)
-    monkeypatch.setattr(_common, "model_shape", lambda path, quantize: (384 if path == "wide" else None, quantize))
+    monkeypatch.setattr(checkpoint, "model_shape", lambda path, quantize: (384 if path == "wide" else None, quantize))
 
     generate = argparse.Namespace(device="cpu", dtype=None, model="wide", quantize="int4")
-    assert _common.resolve_device_dtype(generate) == ("cpu", devices.DtypeChoice(BF16, "played"))
-    assert _common.resolve_device_dtype(argparse.Namespace(**{**vars(generate), "dtype": "fp32"}))[1] == \
+    assert resolve_device_dtype(generate) == ("cpu", devices.DtypeChoice(BF16, "played"))
+    assert resolve_device_dtype(argparse.Namespace(**{**vars(generate), "dtype": "fp32"}))[1] == \
         devices.DtypeChoice(FP32, "--dtype fp32")
     benched = argparse.Namespace(device="cpu", dtype="auto", model=None, config="bench-20m", quantize=None)
-    assert bench._resolve(benched)[1].why == "played"
-    assert bench._resolve(argparse.Namespace(**{**vars(benched), "dtype": "bf16"}))[1] == \
+    assert resolve_device_dtype(benched)[1].why == "played"  # a preset's width, random weights
+    assert resolve_device_dtype(argparse.Namespace(**{**vars(benched), "dtype": "bf16"}))[1] == \
         devices.DtypeChoice(BF16, "--dtype bf16")
     lines = []
     config = _resolved_precision(TrainConfig(data="x", out="y", precision="auto"), distributed.DistEnv(), lines.append)
@@ -202,18 +203,20 @@ def test_every_command_takes_its_default_dtype_from_dgemma_devices(monkeypatch):
 
 
 def test_sudoku_takes_its_dtype_from_dgemma_devices(monkeypatch, capsys):
-    from dgemma.cli import build_parser
-    from dgemma.commands import sudoku
+    from dgemma import cli
+    from dgemma.weights import hub
 
-    asked = []
+    asked, loaded = [], []
 
     def played(device, hidden_size, *, quantize=None, training=False):
         asked.append((device, hidden_size))
         return devices.DtypeChoice(BF16, "played")
 
+    load_model = hub.load_model
     monkeypatch.setattr(devices, "default_dtype", played)
-    model = sudoku._load(build_parser().parse_args(["sudoku", "solve", "--eager"]))
-    assert model.dtype == BF16 and asked == [("cpu", 128)] and "dtype: bf16 (played)" in capsys.readouterr().err
+    monkeypatch.setattr(hub, "load_model", lambda *a, **k: loaded.append(k["dtype"]) or load_model(*a, **k))
+    assert cli.main(["sudoku", "solve", "--no-live", "--eager", "--steps", "2", "--rounds", "1"]) in (0, 1)
+    assert loaded == [BF16] and asked == [("cpu", 128)] and "dtype: bf16 (played)" in capsys.readouterr().err
 
 
 def test_auto_is_cuda_where_torch_sees_one_and_a_missing_gpu_is_one_line(monkeypatch, tiny_model_dir, capsys):

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import math
 import sys
-from pathlib import Path
 
 from dgemma.config import ACCEPT_ORDERS
 
@@ -258,32 +257,29 @@ def sampling_from_args(model, args):
 
 def resolve_device_dtype(args):
     """--device and --dtype as a torch device name and a `devices.DtypeChoice` (the dtype and why): no --dtype
-    asks `devices.default_dtype` for the model --model names (on a split model, rank 0's answer on every rank:
-    a CPU's answer may come from a measurement)."""
+    (or auto) asks `devices.default_dtype` for the model run, --model's folder or `dgemma bench`'s --config
+    preset (on a split model, rank 0's answer on every rank: a CPU's answer may come from a measurement)."""
     import torch
 
     from dgemma import devices
 
     device = devices.resolve_device(args.device)
-    if args.dtype:
+    if args.dtype not in (None, "auto"):
         return device, devices.DtypeChoice(getattr(torch, DTYPES[args.dtype]), f"--dtype {args.dtype}")
-    width, quantize = model_shape(getattr(args, "model", None), getattr(args, "quantize", None))
+    width, quantize = _model_shape(args)
     return device, agree(args, lambda: devices.default_dtype(device, width, quantize=quantize))
 
 
-def model_shape(model_path: str | None, quantize: str | None = None) -> tuple[int | None, str | None]:
-    """What the default dtype depends on, read from a model folder's config.json: its hidden size, and how its
-    weights run (`quantize`, else the format it was saved in: "int8", "int4" or None); (None, quantize) when
-    the folder cannot be read here (loading it then says why)."""
-    from dgemma.weights.checkpoint import CheckpointError, model_config, stored_quantization
+def _model_shape(args) -> tuple[int | None, str | None]:
+    """The width and weight format of the model a command runs: --model's config.json (`model_shape`), else
+    a --config preset's width (random weights) and --quantize."""
+    import dgemma
+    from dgemma.weights.checkpoint import model_shape
 
-    if model_path is None:
-        return None, quantize
-    try:
-        raw, config = model_config(Path(model_path))
-        return config.hidden_size, quantize or stored_quantization(raw)
-    except CheckpointError:
-        return None, quantize
+    model, quantize = getattr(args, "model", None), getattr(args, "quantize", None)
+    if model is None and getattr(args, "config", None):
+        return dgemma.get_preset(args.config).hidden_size, quantize
+    return model_shape(model, quantize)
 
 
 def load_from_args(args, *, compile: bool = True, shape: str | None = None, announce: bool = True):

@@ -16,12 +16,11 @@ from dgemma.commands._common import (
     add_int8_compute_argument,
     add_revision_argument,
     add_step_cache_arguments,
-    agree,
     apply_int8_compute,
     compile_mode,
-    model_shape,
     plot_file,
     require_extra,
+    resolve_device_dtype,
     step_cache_overrides,
     wants_compile,
 )
@@ -71,30 +70,6 @@ def add_arguments(p):
     _tensor_parallel.add_arguments(p)  # with it: the engine alone on the split model, and memory per rank
 
 
-def _resolve(args):
-    """--device, and --dtype as a `devices.DtypeChoice`: auto asks `devices.default_dtype` for the model
-    benched, as the generating commands do (on a split model, rank 0's answer on every rank)."""
-    import torch
-
-    from dgemma import devices
-
-    device = devices.resolve_device(args.device)
-    if args.dtype != "auto":
-        return device, devices.DtypeChoice(torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                                           f"--dtype {args.dtype}")
-    width, quantize = _model_shape(args)
-    return device, agree(args, lambda: devices.default_dtype(device, width, quantize=quantize))
-
-
-def _model_shape(args) -> tuple[int | None, str | None]:
-    """The width and weight format of the model benched (`model_shape`): --model's config.json, else the
-    preset's width and --quantize."""
-    import dgemma
-
-    return model_shape(args.model, args.quantize) if args.model else (dgemma.get_preset(args.config).hidden_size,
-                                                                     args.quantize)
-
-
 def _batches(args) -> list[int]:
     """--batch's sizes, ascending; UsageError for a bad one or a count below 1."""
     try:
@@ -125,7 +100,7 @@ def run(args):
     from dgemma.quant import kernels
 
     batches = _batches(args)
-    device, dtype_choice = _resolve(args)
+    device, dtype_choice = resolve_device_dtype(args)
     dtype = dtype_choice.dtype
     if args.tensor_parallel is not None:
         from dgemma.commands.bench_split import run_split

@@ -15,7 +15,6 @@ from dgemma.commands._common import (
     apply_int8_compute,
     denoising_overrides,
     maybe_compile,
-    model_shape,
     plot_file,
     refuse_step_cache_with_ar,
 )
@@ -112,6 +111,7 @@ def _prepare(args):
 def _load(args):
     from dgemma import devices
     from dgemma.compilation.policy import engine_shape
+    from dgemma.weights.checkpoint import model_shape
     from dgemma.weights.hub import load_model
 
     if args.rounds < 1 or args.candidates < 1:
