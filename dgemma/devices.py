@@ -11,12 +11,15 @@ wide (a training step, thousands of rows, at any width); fp32 elsewhere. What ea
 (figures: benchmarks/README.md, "bf16 against fp32 per CPU class"):
   CUDA               bf16 where torch.cuda.is_bf16_supported() (compute capability 8.0 and later)
   CPU, AMX-BF16      bf16: the tile unit multiplies bf16 several times faster than fp32 (Intel Sapphire
-                     Rapids and later; measured ~4x at the probe's shape)
+                     Rapids and later; measured 6.97x at the probe's shape, bench-20m's compiled engine
+                     1.56x fp32's tokens/s)
   CPU, AVX512_BF16   measured (AMD Zen 4 and 5, Intel Cooper Lake): oneDNN's AVX512_BF16 kernels ran below
-  without AMX        fp32's rate (~0.6x) on the AMX machine capped to them; a real CPU of this class may
-                     differ, which is why its answer is measured rather than read from its flags
+  without AMX        fp32's rate (0.65x at the probe's shape, the engine 0.97x) on the AMX machine capped
+                     to them; a real CPU of this class may differ, which is why its answer is measured
+                     rather than read from its flags
   CPU, AVX-512       fp32, from the flags alone (Skylake-SP, Cascade Lake, Ice Lake): oneDNN runs bf16
-  without bf16       by converting inside its kernels, ~0.25-0.45x fp32's rate
+  without bf16       by converting inside its kernels (0.24x at the probe's shape capped to this class,
+                     the engine 0.47x; 0.53x on a real AVX-512 VNNI Xeon)
   CPU, AVX2          fp32: oneDNN runs no bf16 (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False) and
                      a bf16 matmul takes ATen's scalar fallback, ~40x slower than fp32
   Arm                bf16 where the CPU lists BF16 and the measurement agrees; fp32 without BF16
@@ -110,8 +113,8 @@ BF16_INSTRUCTIONS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # in bf16, turn about, the best of PROBE_REPEATS each, on one thread: with every core, one other busy process
 # stalls the kernels' threads and the ratio swung from 0.1x to 3x on a loaded 2-core machine; on one it held
 # within a few percent (benchmarks/README.md). ~0.05-0.2 s. bf16 counts as fast from BF16_FAST_RATIO times
-# fp32's rate: the classes measured sit far from it on either side (AMX ~4x; AVX512_BF16 alone ~0.65x;
-# AVX-512 without bf16 ~0.25x).
+# fp32's rate: the classes measured sit far from it on either side (AMX 6.97x; AVX512_BF16 alone 0.65x;
+# AVX-512 without bf16 0.24x).
 PROBE_SHAPE = (256, 2816, 1408)
 PROBE_REPEATS = 3
 BF16_FAST_RATIO = 1.0
