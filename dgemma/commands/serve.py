@@ -18,6 +18,7 @@ from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
     add_prefix_cache_arguments,
+    add_sampler_arguments,
     add_step_cache_arguments,
     agree,
     compile_mode,
@@ -25,6 +26,7 @@ from dgemma.commands._common import (
     non_negative_float,
     positive_int,
     prefix_cache_bytes,
+    sampler_overrides,
     step_cache_overrides,
     wants_compile,
 )
@@ -68,6 +70,8 @@ def add_arguments(p):
                         "with an error event (new requests get 503 meanwhile; default %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="the server's log level ('info' logs every request with its X-Request-Id)")
+    add_sampler_arguments(p.add_argument_group("the sampler: the requests' default (each request may set sampler "
+                                               "and its settings)"))
     add_step_cache_arguments(p.add_argument_group("the step cache (each request may set step_cache)"))
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
@@ -114,7 +118,8 @@ def settings(args):
         codec=functools.partial(task_codec, read_task(args.model)), tp=getattr(args, "tp", None),
         replicas=args.replicas, ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
         gpus_per_replica=args.gpus_per_replica, device=args.device,
-        step_cache=step_cache_overrides(args), tensor_parallel=args.tensor_parallel,
+        step_cache=step_cache_overrides(args), sampler=dict(sampler=args.sampler, **sampler_overrides(args)),
+        tensor_parallel=args.tensor_parallel,
         command_line=tuple(getattr(args, "argv", ())))
 
 

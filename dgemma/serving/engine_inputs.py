@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from dgemma.chat.tool_schema import calls_constraint
-from dgemma.config import ConfigError, SamplingConfig
+from dgemma.config import SAMPLER_SETTINGS, SAMPLERS, ConfigError, SamplingConfig, settings_not_read
 from dgemma.generation.canvas import most_new_tokens
 from dgemma.sampling import seed_or_random
 from dgemma.serving.errors import bad_request
@@ -22,10 +22,13 @@ from dgemma.serving.requests import ChatCompletionRequest, FunctionDefinition, I
 from dgemma.serving.state import ServerState
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
+# block refinement's and DDIM's settings: request fields named as SamplingConfig's
+OTHER_SAMPLER_SETTINGS = tuple(dict.fromkeys(f for s in SAMPLERS[1:] for f in SAMPLER_SETTINGS[s]))
 # request field -> the SamplingConfig field it overrides (left out of the request: the model's default)
 SAMPLING_OVERRIDES = {"steps": "max_denoising_steps", "entropy_bound": "entropy_bound",
                       "accept_order": "accept_order", "t_min": "t_min", "t_max": "t_max",
-                      "fixed_steps": "fixed_steps", "step_cache": "step_cache"}
+                      "fixed_steps": "fixed_steps", "step_cache": "step_cache", "sampler": "sampler",
+                      **{name: name for name in OTHER_SAMPLER_SETTINGS}}
 
 
 # -- sampling -----------------------------------------------------------------------------------------
@@ -60,6 +63,13 @@ def sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | 
     if body.step_cache and state.worker.model.step_cache_refusal() is not None:
         raise bad_request(f"step_cache: {state.worker.model.step_cache_refusal()}", param="step_cache")
     overrides = {field: getattr(body, name) for name, field in SAMPLING_OVERRIDES.items()}
+    sampler = body.sampler or state.sampling.sampler
+    if sampler == "entropy-bound":  # OpenAI's temperature, which clients send routinely: not this sampler's
+        overrides["temperature"] = None
+    problem = settings_not_read(sampler, {name: overrides[name] for name in
+                                          (*SAMPLER_SETTINGS["entropy-bound"], *OTHER_SAMPLER_SETTINGS)})
+    if problem:
+        raise bad_request(problem, param=problem.split(":")[0])
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, eos_token_ids=eos, **overrides)
     except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max

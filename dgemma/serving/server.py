@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Protocol
 
 from dgemma.chat.codec import Codec
+from dgemma.config import ConfigError, settings_not_read
 from dgemma.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
 # A model that reads images takes larger bodies by default: its images arrive base64-encoded in them.
@@ -80,6 +81,8 @@ class ServerSettings:
     command_line: tuple[str, ...] = ()  # `serve ...` as typed: what a split replica runs again
     # --step-cache and its settings, as SamplingConfig.replace keywords (None keeps generation_config.json's)
     step_cache: dict = field(default_factory=dict)
+    # --sampler and block refinement's and DDIM's settings, the same way: the requests' defaults
+    sampler: dict = field(default_factory=dict)
 
     @property
     def served_name(self) -> str:
@@ -198,7 +201,13 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     folder = Path(settings.model)
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
-    sampling = model.sampling_config.replace(**settings.step_cache)
+    try:
+        sampling = model.sampling_config.replace(**settings.step_cache, **settings.sampler)
+    except ConfigError as e:  # e.g. DDIM's corrector with the step cache
+        raise StartupError(str(e)) from None
+    unread = settings_not_read(sampling.sampler, settings.sampler, as_flags=True)
+    if unread:
+        raise StartupError(unread)
     if sampling.step_cache and model.step_cache_refusal() is not None:
         raise StartupError(f"--step-cache on: {model.step_cache_refusal()}")
     codec = settings.codec(folder, model.config.vocab_size)
