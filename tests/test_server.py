@@ -203,10 +203,12 @@ def test_chat_uses_the_chat_template(client, reference):
 
 
 def test_token_id_prompt_and_default_max_tokens(client):
+    """No max_tokens: a completion writes OpenAI's documented 16 for the endpoint, a chat as many whole canvases
+    as fit after its prompt (256 context), unless EOS comes first."""
     out = client.completions.create(model=MODEL, prompt=[2, 100, 101], seed=3, extra_body={"steps": 2})
-    # no max_tokens: as many whole canvases as fit after the prompt (256 - 3 -> 240), unless EOS first
-    assert out.usage.completion_tokens <= 240
-    assert out.choices[0].finish_reason == ("length" if out.usage.completion_tokens == 240 else "stop")
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    answer = chat(client, seed=3, extra_body={"steps": 2})
+    assert 16 < answer.usage.completion_tokens <= 256 - answer.usage.prompt_tokens
 
 
 def test_streaming_sends_each_canvas_as_it_lands(client):

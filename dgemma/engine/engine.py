@@ -146,8 +146,9 @@ class Engine:
             raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
         check_search(request.max_rounds, 1)
         self._check_images(request)
-        if request.sampling.step_cache and self.model.step_cache_refusal() is not None:
-            raise ValueError(self.model.step_cache_refusal())
+        refusal = self.model.step_cache_refusal(request.adapter) if request.sampling.step_cache else None
+        if refusal is not None:  # a step-cache forward holds step-cache rows alone (`_step_logits`)
+            raise ValueError(refusal)
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(

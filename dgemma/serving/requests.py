@@ -222,6 +222,9 @@ class GenerationFields(BaseModel):
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# /v1/completions without max_tokens writes this many, as OpenAI documents for the endpoint (and vLLM does);
+# chat's absent max_tokens is the model's own default instead
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionRequest(GenerationFields):
@@ -233,8 +236,8 @@ class CompletionRequest(GenerationFields):
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
                         "is prompt i's choice j)")
     max_tokens: strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
-                                                 "absent: as many whole canvases as fit after the prompt, capped by "
-                                                 "the model's default")
+                                                 f"absent: {COMPLETIONS_DEFAULT_MAX_TOKENS}, OpenAI's default for "
+                                                 "this endpoint (a task model writes its fixed answer length)")
     echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
     logprobs: strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "
