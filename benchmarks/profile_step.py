@@ -57,8 +57,10 @@ def main():
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # a record per inductor kernel (its own cache key)
-    dtype = torch.bfloat16 if devices.native_bf16("cpu") else torch.float32
-    model = random_model(dgemma.get_preset(args.preset), device="cpu", dtype=dtype, seed=args.seed)
+    config = dgemma.get_preset(args.preset)
+    choice = devices.default_dtype("cpu", config.hidden_size)  # what `dgemma bench` and `generate` take
+    dtype = choice.dtype
+    model = random_model(config, device="cpu", dtype=dtype, seed=args.seed)
     c = model.config
     sampling = model.sampling_config.replace(max_new_tokens=CANVAS_TOKENS, max_denoising_steps=STEPS,
                                              fixed_steps=True, eos_token_ids=(c.vocab_size + 1,), seed=args.seed)
@@ -96,7 +98,7 @@ def main():
                 kinds[kind] += e.self_cpu_time_total / 1e3 / STEPS
                 break
 
-    print(f"{args.preset}, {'eager' if args.eager else 'compiled'}, {str(dtype).replace('torch.', '')}, "
+    print(f"{args.preset}, {'eager' if args.eager else 'compiled'}, {choice}, "
           f"{torch.get_num_threads()} threads: {min(warm) * 1e3 / STEPS:.1f} ms per step unprofiled (best of 2 "
           f"generations), {step_ms:.1f} profiled; first generation {first:.1f} s")
     print("\n| phase | ms per step | share |\n|---|---|---|")

@@ -25,7 +25,9 @@ def test_tiny_bench_prints_json(tmp_path):
     assert ran["int8_compute"] is False and ran["cpu"]["threads"] == 1
     assert ran["canvas step (16 rows)"]["experts"] == f"{result['dtype']} matmuls (grid or per expert)"
     assert "before" in ran["load_average"] and "after" in ran["load_average"]
-    assert "what ran: int8 compute off" in proc.stdout
+    # which dtype ran and why: --dtype auto asks devices.default_dtype, as the generating commands do
+    assert result["dtype"] == "float32" and ran["dtype_why"] == "a model 64 wide: on a CPU, bf16 pays from 256 wide"
+    assert "what ran: int8 compute off, float32 (a model 64 wide: on a CPU, bf16 pays from 256 wide)" in proc.stdout
 
 
 def test_bench_rejects_bad_batch():

@@ -23,6 +23,8 @@ def test_generate_streams_text(tiny_model_dir):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()  # some words
     assert "tokens/forward" in proc.stderr and "canvases" in proc.stderr
+    # the start lines: the dtype and the step, each with why (devices.default_dtype; the compile policy)
+    assert "dtype: fp32 (a model 64 wide: on a CPU, bf16 pays from 256 wide)\nstep: " in proc.stderr
 
 
 def test_generate_json_is_reproducible(tiny_model_dir):
@@ -182,8 +184,8 @@ def test_chat_shows_thoughts_dimmed_and_keeps_only_the_reply(gemma_tokenizer_mod
 
 
 def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
-    """No --dtype on a CPU: bf16 for models 256 or more wide where the CPU multiplies bf16 natively, fp32
-    for narrower ones (the tiny model, 64 wide) and for folders that cannot be read here."""
+    """No --dtype on a CPU: bf16 for models 256 or more wide where the CPU multiplies bf16 fast, fp32 for
+    narrower ones (the tiny model, 64 wide) and for folders that cannot be read here."""
     import argparse
 
     import torch
@@ -191,18 +193,26 @@ def test_cpu_dtype_default_follows_the_model_width(tiny_model_dir, tmp_path):
     import dgemma as lib
     from dgemma import devices
     from dgemma.commands._common import resolve_device_dtype
+    from dgemma.weights.checkpoint import model_shape, quantization_config
 
     wide = tmp_path / "wide"
     lib.save_pretrained(lib.DiffusionGemma(lib.get_preset("tiny").replace(hidden_size=256)), wide)
-    native = devices.native_bf16("cpu")
+    fast = devices.fast_bf16("cpu")
 
     def dtype(model, given=None):
-        return resolve_device_dtype(argparse.Namespace(device="cpu", dtype=given, model=str(model)))[1]
+        return resolve_device_dtype(argparse.Namespace(device="cpu", dtype=given, model=str(model)))[1].dtype
 
-    assert dtype(wide) == (torch.bfloat16 if native else torch.float32)
+    assert dtype(wide) == (torch.bfloat16 if fast else torch.float32)
     assert dtype(tiny_model_dir) == torch.float32
     assert dtype(tmp_path / "missing") == torch.float32
     assert dtype(wide, "fp32") == torch.float32 and dtype(tiny_model_dir, "bf16") == torch.bfloat16
+    # what the rule reads of a folder: its width, and the format its weights were saved in (or --quantize)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config("int4")}))
+    assert model_shape(str(wide)) == (256, "int4") and model_shape(str(wide), "int8") == (256, "int8")
+    assert model_shape(str(tiny_model_dir), "int4") == (64, "int4") and model_shape(None) == (None, None)
+    (wide / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    assert model_shape(str(wide)) == (None, None)  # not a folder dgemma reads: loading says why
 
 
 def test_deterministic_runs_eagerly(monkeypatch):

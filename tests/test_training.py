@@ -176,22 +176,26 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch, capsys):
 
 
 def test_precision_auto_takes_bf16_only_where_the_cpu_multiplies_it(tmp_path, monkeypatch, capsys):
-    """--precision auto: bf16 autocast where the device multiplies bf16 natively, fp32 elsewhere (an AVX2
-    CPU emulates bf16 several times slower); an explicit bf16 there runs, after one warning line."""
+    """--precision auto: bf16 autocast where `devices.default_dtype` takes bf16 for training (a device that
+    multiplies bf16 fast), fp32 elsewhere (an AVX2 CPU emulates bf16 several times slower), with the reason on
+    the start line; an explicit bf16 there runs, after one warning line."""
     from dgemma import devices
     from dgemma.training.model_setup import resolve_precision
 
     cpu = torch.device("cpu")
-    assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
-    assert resolve_precision("auto", cpu) == ("bf16" if devices.native_bf16(cpu) else "fp32")
+    auto = devices.default_dtype(cpu, None, training=True)
+    assert resolve_precision("fp32", auto) == "fp32" and resolve_precision("bf16", auto) == "bf16"
+    assert resolve_precision("auto", auto) == ("bf16" if devices.fast_bf16(cpu) else "fp32")
     short = dict(steps=1, log_every=1, save_every=1, compile=False)
-    for has_bf16, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"),
-                                  (False, "bf16", "bf16 autocast")]:
-        monkeypatch.setattr(devices, "native_bf16", lambda device, has=has_bf16: has)
-        train(task_config(tmp_path, f"{has_bf16}-{asked}", precision=asked, **short))
+    for fast, asked, runs in [(False, "auto", "fp32"), (True, "auto", "bf16 autocast"), (False, "bf16", "bf16 autocast")]:
+        played = devices.DtypeChoice(torch.bfloat16 if fast else torch.float32, f"played {fast}")
+        monkeypatch.setattr(devices, "default_dtype", lambda *_, played=played, **__: played)
+        train(task_config(tmp_path, f"{fast}-{asked}", precision=asked, **short))
         err = capsys.readouterr().err
         assert f"on cpu, eager (--eager), {runs}" in err
-        assert ("does not multiply bf16 natively" in err) == (asked == "bf16" and not has_bf16)
+        assert (f"precision: {runs.split()[0]} (--precision auto: played {fast})" in err) == (asked == "auto")
+        assert ("warning: bf16 compute asked for where it is slower than fp32 (played False)" in err) == (
+            asked == "bf16" and not fast)
     with pytest.raises(ConfigError, match="precision must be 'fp32', 'bf16' or 'auto'"):
         train(task_config(tmp_path, "bad", precision="fp16", **short))
 

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import math
 import sys
-from pathlib import Path
 
 from dgemma.config import (
     ACCEPT_ORDERS,
@@ -75,8 +74,10 @@ def add_model_arguments(p, *, required: bool = True, compile_by_default: bool | 
     add_revision_argument(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights and activations (default: bf16 on CUDA; on a CPU with native bf16, bf16 for models "
-                        "256 or more wide, where it measured 2.2-3.8x faster; else fp32)")
+                   help="weights and activations (default: bf16 where the device multiplies it faster than fp32: "
+                        "CUDA, and CPUs with AMX or AVX512_BF16 where a short measurement says so, for models 256 "
+                        "or more wide, and int4 models on any AVX-512 CPU; else fp32. The start line says which "
+                        "and why)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation applied while loading")
     add_int8_compute_argument(p)
@@ -164,12 +165,15 @@ def compile_mode(args, model) -> str:
 
 def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
     """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
-    every rank, which compile alike), after one line on stderr that says the choice and why ("step: eager
-    (...)") unless `announce` is False; the model either way."""
+    every rank, which compile alike), after a line on stderr that says the choice and why ("step: eager
+    (...)"), after the dtype's ("dtype: bf16 (...)", args.dtype_choice, where the command chose it), unless
+    `announce` is False; the model either way. The command's start lines: printed once its input is checked."""
     from dgemma.compilation.steps import compile_model
 
     choice = agree(args, lambda: wants_compile(args, model, shape))
     if announce and getattr(getattr(args, "tp", None), "rank", 0) == 0:
+        if getattr(args, "dtype_choice", None) is not None:
+            print(f"dtype: {args.dtype_choice}", file=sys.stderr, flush=True)
         cache_on = {"on": True, "off": False}.get(getattr(args, "step_cache", None), model.sampling_config.step_cache)
         packed = "; the step cache's steps eager" if choice and cache_on else ""
         print(f"step: {choice}{packed}", file=sys.stderr, flush=True)
@@ -360,37 +364,40 @@ def sampling_from_args(model, args):
 
 
 def resolve_device_dtype(args):
-    """--device and --dtype as a torch device name and dtype: "auto" and no --dtype ask `dgemma.devices`
-    (bf16 where the device multiplies it natively, on a CPU only for models from 256 wide)."""
+    """--device and --dtype as a torch device name and a `devices.DtypeChoice` (the dtype and why): no --dtype
+    (or auto) asks `devices.default_dtype` for the model run, --model's folder or `dgemma bench`'s --config
+    preset (on a split model, rank 0's answer on every rank: a CPU's answer may come from a measurement)."""
     import torch
 
     from dgemma import devices
 
     device = devices.resolve_device(args.device)
-    if args.dtype:
-        return device, getattr(torch, DTYPES[args.dtype])
-    return device, devices.default_dtype(device, model_width(getattr(args, "model", None)))
+    if args.dtype not in (None, "auto"):
+        return device, devices.DtypeChoice(getattr(torch, DTYPES[args.dtype]), f"--dtype {args.dtype}")
+    width, quantize = _model_shape(args)
+    return device, agree(args, lambda: devices.default_dtype(device, width, quantize=quantize))
 
 
-def model_width(model_path: str | None) -> int | None:
-    """The hidden size config.json of a model folder gives, or None when the folder cannot be read here
-    (loading it then says why)."""
-    from dgemma.weights.checkpoint import CheckpointError, model_config
+def _model_shape(args) -> tuple[int | None, str | None]:
+    """The width and weight format of the model a command runs: --model's config.json (`model_shape`), else
+    a --config preset's width (random weights) and --quantize."""
+    import dgemma
+    from dgemma.weights.checkpoint import model_shape
 
-    if model_path is None:
-        return None
-    try:
-        return model_config(Path(model_path))[1].hidden_size
-    except CheckpointError:
-        return None
+    model, quantize = getattr(args, "model", None), getattr(args, "quantize", None)
+    if model is None and getattr(args, "config", None):
+        return dgemma.get_preset(args.config).hidden_size, quantize
+    return model_shape(model, quantize)
 
 
 def load_from_args(args, *, compile: bool = True, shape: str | None = None, announce: bool = True):
-    """The model --model names; compiled per the flags (for `shape`, see `wants_compile`; `announce`: the
-    choice's line on stderr) unless `compile` is False (the caller decides when)."""
+    """The model --model names, in the dtype `resolve_device_dtype` chooses (kept as args.dtype_choice);
+    compiled per the flags (for `shape`, see `wants_compile`; `announce`: the choices' lines on stderr) unless
+    `compile` is False (the caller decides when)."""
     from dgemma.weights.hub import load_model
 
-    device, dtype = resolve_device_dtype(args)
+    device, args.dtype_choice = resolve_device_dtype(args)  # said beside the compile choice (`maybe_compile`)
+    dtype = args.dtype_choice.dtype
     if getattr(args, "tp", None) is not None:  # a rank of a split model (--tensor-parallel): its slices
         from dgemma.parallel.load import load_split_model
 

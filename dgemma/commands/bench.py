@@ -23,6 +23,7 @@ from dgemma.commands._common import (
     compile_mode,
     plot_file,
     require_extra,
+    resolve_device_dtype,
     sampler_overrides,
     step_cache_overrides,
     wants_compile,
@@ -44,7 +45,8 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=2, help="runs per measurement; the fastest counts")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32")
+                   help="auto (the default): what the generating commands take for this model (see `dgemma "
+                        "generate --help`); the table and the JSON say which and why")
     p.add_argument("--transformers-dtype", choices=["same", "fp32", "bf16"], default="same",
                    help="dtype for transformers (default: the same as ours; fp32 is what it loads by default)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
@@ -73,18 +75,6 @@ def add_arguments(p):
     p.add_argument("--plot", type=plot_file, default=None, help="PNG of tokens/s against batch size (needs dgemma[plot])")
     p.add_argument("--seed", type=int, default=0)
     _tensor_parallel.add_arguments(p)  # with it: the engine alone on the split model, and memory per rank
-
-
-def _resolve(args):
-    """--device, and --dtype auto: bf16 wherever the device multiplies it natively (`dgemma.devices`)."""
-    import torch
-
-    from dgemma import devices
-
-    device = devices.resolve_device(args.device)
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if devices.native_bf16(device) else torch.float32
-    return device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
 def _batches(args) -> list[int]:
@@ -137,11 +127,12 @@ def run(args):
     from dgemma.quant import kernels
 
     batches = _batches(args)
-    device, dtype = _resolve(args)
+    device, dtype_choice = resolve_device_dtype(args)
+    dtype = dtype_choice.dtype
     if args.tensor_parallel is not None:
         from dgemma.commands.bench_split import run_split
 
-        return run_split(args, batches, device, dtype)
+        return run_split(args, batches, device, dtype_choice)
     torch.manual_seed(args.seed)
     model, name = _model(args, device, dtype)
     apply_int8_compute(args, model)
@@ -155,7 +146,7 @@ def run(args):
     hf = _transformers_beside(args, model, fixed, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
-    ran = _what_runs(model, batches[0], load_before)
+    ran = _what_runs(model, batches[0], load_before, dtype_choice.why)
     for line in _what_runs_lines(ran):
         print("  " + line, file=sys.stderr)
 
@@ -228,14 +219,14 @@ def run(args):
     return 0
 
 
-def _what_runs(model, batch: int, load_before) -> dict:
-    """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the CPU,
-    threads and the load average: what a figure needs beside it to explain itself."""
+def _what_runs(model, batch: int, load_before, dtype_why: str) -> dict:
+    """The kernel of each part at a canvas step and at an AR token (batch `batch`), int8 compute, the dtype and
+    why (`dtype_why`), the CPU, threads and the load average: what a figure needs beside it to explain itself."""
     from dgemma.quant import kernels
 
     canvas_rows = batch * model.config.canvas_length
     out = {"int8_compute": model.int8_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
-           "quantize": getattr(model, "quantization", None),
+           "dtype_why": dtype_why, "quantize": getattr(model, "quantization", None),
            f"canvas step ({canvas_rows} rows)": kernels.kernels(model, canvas_rows),
            f"AR token ({batch} row{'s' if batch > 1 else ''})": kernels.kernels(model, batch),
            "load_average": {"before": load_before}}
@@ -245,7 +236,8 @@ def _what_runs(model, batch: int, load_before) -> dict:
 
 
 def _what_runs_lines(ran: dict) -> list[str]:
-    lines = [f"int8 compute {'on' if ran['int8_compute'] else 'off'}, {ran['dtype']}, weights {ran['quantize'] or 'unquantised'}"]
+    lines = [f"int8 compute {'on' if ran['int8_compute'] else 'off'}, {ran['dtype']} ({ran['dtype_why']}), "
+             f"weights {ran['quantize'] or 'unquantised'}"]
     if "cpu" in ran:
         cpu = ran["cpu"]
         lines[0] += (f"; {cpu['name'] or 'CPU'} ({', '.join(cpu['flags']) or 'no AVX2'}; torch {cpu['torch_capability']}), "

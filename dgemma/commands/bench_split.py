@@ -32,7 +32,7 @@ def _load(args, device, dtype):
                         seed=args.seed + tp.rank, reshape=lambda m: split_model(m, tp, args.quantize))
 
 
-def run_split(args, batches: list[int], device, dtype) -> int:
+def run_split(args, batches: list[int], device, dtype_choice) -> int:
     import torch
 
     import dgemma
@@ -46,6 +46,7 @@ def run_split(args, batches: list[int], device, dtype) -> int:
         dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     tp = getattr(args, "tp", None)
     ranks, rank = (tp.ranks, tp.rank) if tp is not None else (1, 0)
+    dtype = dtype_choice.dtype
     before = resident_memory()
     model = _load(args, device, dtype)
     loaded = resident_memory()
@@ -85,14 +86,15 @@ def run_split(args, batches: list[int], device, dtype) -> int:
         dist.all_gather_object(gathered, memory[0], group=tp.group)
         memory = gathered
     if rank == 0:
-        _report(args, ranks, device, dtype, fmt, plan, rows, memory)
+        _report(args, ranks, device, dtype_choice, fmt, plan, rows, memory)
     return 0
 
 
-def _report(args, ranks, device, dtype, fmt, plan, rows, memory):
+def _report(args, ranks, device, dtype_choice, fmt, plan, rows, memory):
     mb = 2**20
+    dtype = str(dtype_choice.dtype).replace("torch.", "")
     name = args.model or f"preset {args.config} (random weights)"
-    print(f"{name}: {ranks} rank(s), {device}, {str(dtype).replace('torch.', '')}"
+    print(f"{name}: {ranks} rank(s), {device}, {dtype} ({dtype_choice.why})"
           f"{', ' + args.quantize if args.quantize else ''}, {args.steps} fixed steps, prompt {args.prompt_len}")
     print(f"{'batch':>5} {'tokens/s':>10} {'seconds':>9}")
     for r in rows:
@@ -103,7 +105,7 @@ def _report(args, ranks, device, dtype, fmt, plan, rows, memory):
         growth = m["peak_rss_after_load"] - m["rss_before_load"]
         print(f"{m['rank']:>4} {m['rss_before_load'] / mb:>13,.0f} MB {m['peak_rss_after_load'] / mb:>13,.0f} MB "
               f"{growth / mb:>9,.0f} MB {m['private_growth'] / mb:>12,.0f} MB {plan / mb:>12,.0f} MB")
-    print(json.dumps({"tensor_parallel": ranks, "device": device, "dtype": str(dtype).replace("torch.", ""),
-                      "quantize": args.quantize, "results": rows, "memory_per_rank": memory,
+    print(json.dumps({"tensor_parallel": ranks, "device": device, "dtype": dtype,
+                      "dtype_why": dtype_choice.why, "quantize": args.quantize, "results": rows, "memory_per_rank": memory,
                       "plan_weight_bytes_per_rank": plan}))
     sys.stdout.flush()

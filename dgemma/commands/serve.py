@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,11 @@ class ModelFromFlags:
     args: argparse.Namespace
 
     def load(self, folder: str):
-        return load_from_args(argparse.Namespace(**{**vars(self.args), "model": folder}), compile=False)
+        args = argparse.Namespace(**{**vars(self.args), "model": folder})
+        model = load_from_args(args, compile=False)
+        if getattr(getattr(args, "tp", None), "rank", 0) == 0:
+            print(f"dtype: {args.dtype_choice}", file=sys.stderr, flush=True)
+        return model
 
     def prefix_cache_bytes(self, model) -> int:
         return prefix_cache_bytes(self.args, model, "serve")

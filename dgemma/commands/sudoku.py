@@ -110,9 +110,9 @@ def _prepare(args):
 
 # -- solving with a model ----------------------------------------------------------------------------
 def _load(args):
-    import torch
-
+    from dgemma import devices
     from dgemma.compilation.policy import engine_shape
+    from dgemma.weights.checkpoint import model_shape
     from dgemma.weights.hub import load_model
 
     if args.rounds < 1 or args.candidates < 1:
@@ -122,7 +122,9 @@ def _load(args):
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
                          " (the shipped model is missing from this checkout; train one with scripts/train_sudoku.sh)"))
-    model = load_model(folder, dtype=torch.float32, quantize=args.quantize)
+    width, quantize = model_shape(str(folder), args.quantize)  # the shipped models: 128 wide, so fp32
+    args.dtype_choice = devices.default_dtype("cpu", width, quantize=quantize)
+    model = load_model(folder, dtype=args.dtype_choice.dtype, quantize=args.quantize)
     if model.config.canvas_length != 81 or model.config.vocab_size != 16:
         raise UsageError(f"{folder} is not a sudoku model (canvas {model.config.canvas_length}, "
                          f"vocab {model.config.vocab_size}; expected 81 and 16)")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dgemma import devices
+
 CPU_MODE = "max-autotune-no-cudagraphs"
 # Above this many parameters a CPU runs eagerly unless asked (`--compile`) or the cache is warm: the step is
 # big matmuls (the 26B-A4B's: 17 s, nearly all int4 kernels and bf16 matmuls that compiling does not
@@ -55,8 +57,7 @@ def cache_dir() -> Path:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and (_USER_CACHE_DIR is not None or not _is_torch_default(chosen)):
         return Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dgemma" / "torchinductor"
+    return devices.user_cache_dir() / "torchinductor"
 
 
 def _is_torch_default(path: str) -> bool:

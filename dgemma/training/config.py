@@ -76,7 +76,8 @@ class TrainConfig:
     betas: tuple[float, float] = option("AdamW betas", "optimisation", (0.95, 0.99), nargs=2, metavar=("B1", "B2"))
     grad_clip: float = option("max global gradient norm, 0 = off", "optimisation", 1.0)
     precision: str = option("bf16 = autocast (fp32 master weights and optimizer); auto = bf16 where the device "
-                            "multiplies bf16 natively (CUDA, AVX-512 CPUs), else fp32", "optimisation", "fp32",
+                            "multiplies bf16 faster than fp32 (CUDA; CPUs with AMX or AVX512_BF16 where a short "
+                            "measurement says so), else fp32", "optimisation", "fp32",
                             choices=("fp32", "bf16", "auto"))
     compile: bool = option("never torch.compile the training step (also DGEMMA_EAGER=1); by default its blocks "
                            "compile on a CPU in one process when the run is long enough to pay the compile back "

@@ -111,6 +111,15 @@ def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return values.cpu()
 
 
+def from_rank0(make, env: DistEnv):
+    """`make()` run on rank 0 and its value (picklable) handed to every rank; `make()` itself in one process."""
+    if not env.distributed:
+        return make()
+    box = [make() if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(env: DistEnv):
     if env.distributed:
         dist.barrier()

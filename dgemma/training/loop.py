@@ -250,13 +250,16 @@ def _resume_point(config: TrainConfig, out: Path, say):
 
 
 def _resolved_precision(config: TrainConfig, env: D.DistEnv, say) -> TrainConfig:
-    """--precision auto -> fp32 or bf16 for this device (before the resume check, which then compares like
-    with like); bf16 asked for on a device without fast bf16 runs, after one warning line."""
-    config = replace(config, precision=resolve_precision(config.precision, env.device))
-    if "bf16" in (config.precision, config.mixed_precision) and not devices.native_bf16(env.device):
-        say(f"warning: this {'CPU' if env.device.type == 'cpu' else 'device'} does not multiply bf16 natively "
-            "(no AVX-512, or a GPU without bf16), so bf16 compute is emulated, several times slower than fp32 "
-            "(--precision auto picks fp32 here)")
+    """--precision auto -> fp32 or bf16 for this device, `devices.default_dtype`'s answer for training (rank
+    0's on every rank: a CPU's may come from a measurement), said in one line; before the resume check, which
+    then compares like with like. bf16 asked for where auto takes fp32 runs, after one warning line."""
+    auto = D.from_rank0(lambda: devices.default_dtype(env.device, None, training=True), env)
+    if config.precision == "auto":
+        config = replace(config, precision=resolve_precision(config.precision, auto))
+        say(f"precision: {config.precision} (--precision auto: {auto.why})")
+    if "bf16" in (config.precision, config.mixed_precision) and auto.dtype != torch.bfloat16:
+        say(f"warning: bf16 compute asked for where it is slower than fp32 ({auto.why}); --precision auto "
+            "picks fp32 here")
     return config
 
 

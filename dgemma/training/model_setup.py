@@ -82,12 +82,12 @@ def resolve_model_config(model_dir: str | None, init: str | None, overrides: dic
     return config_from_init(init, overrides)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """--precision auto -> bf16 where the device multiplies bf16 natively (`dgemma.devices.native_bf16`: an
-    AVX2 CPU runs a bf16-autocast step 9x slower than fp32), else fp32; fp32 and bf16 stay."""
+def resolve_precision(precision: str, auto: devices.DtypeChoice) -> str:
+    """--precision auto -> "bf16" where `auto` (`devices.default_dtype(..., training=True)` for the run's
+    device) is bf16, else "fp32"; fp32 and bf16 stay."""
     if precision != "auto":
         return precision
-    return "bf16" if devices.native_bf16(device) else "fp32"
+    return "bf16" if auto.dtype == torch.bfloat16 else "fp32"
 
 
 def base_dtype(config) -> torch.dtype:

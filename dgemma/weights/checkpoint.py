@@ -115,6 +115,19 @@ def stored_quantization(hf_config: dict) -> str | None:
     return fmt
 
 
+def model_shape(model_path: str | None, quantize: str | None = None) -> tuple[int | None, str | None]:
+    """What the default dtype depends on (`devices.default_dtype`), read from a model folder's config.json: its
+    hidden size, and how its weights run (`quantize`, else the format they were saved in: "int8", "int4" or
+    None); (None, quantize) when the folder cannot be read here (loading it then says why)."""
+    if model_path is None:
+        return None, quantize
+    try:
+        raw, config = model_config(Path(model_path))
+        return config.hidden_size, quantize or stored_quantization(raw)
+    except CheckpointError:
+        return None, quantize
+
+
 def quantization_config(fmt: str) -> dict:
     """config.json's entry for weights saved in dgemma's `fmt` (transformers does not read these folders)."""
     return {"quant_method": QUANT_METHOD, "format": fmt, "group_size": GROUP_SIZE[fmt]}
