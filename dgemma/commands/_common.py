@@ -7,15 +7,8 @@ import contextlib
 import math
 import sys
 
-from dgemma.config import (
-    ACCEPT_ORDERS,
-    CORRECTOR_SELECTIONS,
-    REFRESH_ORDERS,
-    SAMPLER_SETTINGS,
-    SAMPLERS,
-    SETTLE_ON,
-    settings_not_read,
-)
+from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, REFRESH_ORDERS, SAMPLER_SETTINGS, SAMPLERS, SETTLE_ON
+from dgemma.config import settings_not_read
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
