@@ -206,55 +206,41 @@ class Int8Table:
 def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
     """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
-    `library`: the kernels of int4 routed experts (`dgemma.quant.openvino`): "openvino", "torch", or
-    "auto": OpenVINO where it is installed, unless the environment variable DGEMMA_CPU_KERNELS says torch."""
+    `library`: where the int4 weights' kernels come from (`dgemma.quant.openvino`): "torch"; "openvino" (every
+    int4 weight it can take, an error where it is not installed); or "auto": OpenVINO for the parts where it
+    is the faster (`openvino.takes`) where it is installed, unless the environment variable
+    DGEMMA_CPU_KERNELS names one of the other two. The weights OpenVINO takes are its only copy from then on.
+    One line on stderr says which kernel runs each part (`kernels.start_line`)."""
     if library not in LIBRARIES:
-        raise ValueError(f"experts' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
+        raise ValueError(f"int4 weights' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
     if library == "auto":
         library = os.environ.get("DGEMMA_CPU_KERNELS", "auto")
+        if library not in LIBRARIES:
+            raise ValueError(f"DGEMMA_CPU_KERNELS is one of {', '.join(LIBRARIES)}, not {library!r}")
     if not resolve(mode, model):
         return False
     if model.integer_compute_on:
         return True
+    if library != "torch":
+        from dgemma.quant import openvino
+
+        openvino.hand_over(model, required=library == "openvino", everything=library == "openvino",
+                           threads=torch.get_num_threads())
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.quant.quantize) hold `int8`
+        if getattr(module, "weights_in_library", False):
+            continue
         if hasattr(module, "int8") and hasattr(module, "qweight"):
             module.int8 = _prepare(module, "qweight", "scales")
         elif hasattr(module, "int8"):
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
-    if library != "torch":
-        _experts_to_library(model, required=library == "openvino")
     table = model.embed_tokens.weight
     model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
     model.integer_compute_on = True
+    from dgemma.quant import kernels
+
+    print("note: " + kernels.start_line(model), file=sys.stderr)
     return True
-
-
-def _experts_to_library(model: nn.Module, required: bool):
-    """Every int4 QuantExperts to OpenVINO's kernels, where it is installed and the machine has the memory for
-    its copy of the weights (one note line on stderr either way, none where it is not installed; `required`:
-    not installed is an error)."""
-    from dgemma.quant import openvino as library
-
-    if library.unavailable():
-        if required:
-            raise ValueError(library.unavailable())
-        return
-    modules = [m for m in model.modules() if hasattr(m, "library") and library.applies(m)
-               and (not m.kernel_layout or all(devices.int4_kernel_layout_known(getattr(m, f"{n}_q").shape[1])
-                                               for n in ("gate_up_proj", "down_proj")))]  # a layout it reads
-    if not modules:
-        return
-    need = int(library.MEMORY_FACTOR * library.expert_bytes(model))
-    free = devices.available_host_memory()
-    if need > free:
-        print(f"note: routed experts stay on torch's int4 kernel: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB, "
-              f"{free / 2**30:.1f} GiB available", file=sys.stderr)
-        return
-    for module in modules:
-        module.library = library.OpenVinoExperts(module, torch.get_num_threads())
-    print(f"note: routed experts on OpenVINO's int4 x int8 kernels ({len(modules)} layers, ~{need / 2**30:.1f} GiB "
-          "for its copy of their weights)", file=sys.stderr)
 
 
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):

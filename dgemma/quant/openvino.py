@@ -1,24 +1,35 @@
-"""The routed experts of an int4 model on OpenVINO's CPU kernels (`pip install 'dgemma[cpu-kernels]'`).
+"""int4 weights on OpenVINO's CPU kernels (`pip install 'dgemma[cpu-kernels]'`), holding the only copy.
 
-Measured on the 26B-A4B's expert shapes (`benchmarks/cpu_kernels.py`), OpenVINO's int4 fully connected layer
-with dynamic int8 quantisation of its activations (groups of 32) was 2.5-3x torch's int4 kernel at an
-expert's ~16 rows of a canvas, and a whole MoE layer of 256 tokens ran 2.6x faster; onnxruntime's
-MatMulNBits and QMoE, kt-kernel and torchao were slower or could not run Gemma's experts (the table in
-benchmarks/README.md). So where it is installed, integer compute on a CPU (`dgemma.quant.int8_compute`)
-runs each layer's experts as one OpenVINO graph:
+Measured at the 26B-A4B's shapes (`benchmarks/cpu_kernels.py`, benchmarks/README.md), OpenVINO's int4 fully
+connected layer (FullyConnectedCompressed) is several times torch's int4 kernel at a canvas's rows: an
+expert's ~16 rows, the 256 rows of an attention projection or a dense MLP; torch's kernel is the faster at
+one row. So where it is installed, integer compute on a CPU (`dgemma.quant.int8_compute.enable`) hands
+the int4 weights to it, part by part (`parts`), as compiled graphs:
 
-    x (R, H) bf16: the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
+  routed experts (`LibraryExperts`), one graph per layer:
+    x (R, H): the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
     for expert e: rows x[offsets[e] : offsets[e + 1]]
-        -> int4 gate|up (2I, H), group scales: FullyConnectedCompressed -> gelu_tanh(gate) * up
-        -> int4 down (H, I): FullyConnectedCompressed
-    y (R, H) bf16: the experts' outputs, in the same order
+        -> int4 gate|up (2I, H), group scales -> gelu_tanh(gate) * up -> int4 down (H, I)
+    y (R, H): the experts' outputs, in the same order
+  a linear layer (`LibraryLinear`: attention projections, dense MLPs), one graph each: x (M, K) -> (M, N)
 
-The codes are dgemma's (two's-complement nibbles, `quant.quantize_tensor`), handed over without the zero
-point the stored format carries. Tensors cross as views of torch's buffers (input, offsets, output: no
-copies). OpenVINO repacks the weights when it first runs them, into its own memory: the experts' int4 bytes
-again and ~15-40% more (the module keeps its own codes for every other path); `enable` declines where the
-machine has not that much memory available. Few entries (AR decoding: 8 of them) stay on torch's path,
-where the graph's per-expert cost (all E experts run, most on no rows) does not pay.
+The codes are dgemma's (two's-complement nibbles, `quantize.quantize_tensor`, or read back from torch's int4
+kernel layout), handed over without the zero point the stored format carries. Activations cross as views
+of torch's buffers (input, offsets, output: no copies), in the model's dtype (bf16 or fp32; the products
+run in bf16 either way).
+
+One copy: OpenVINO repacks the weights into its own memory when a graph first runs, so each graph runs once
+at hand-over on one row per expert (every fully connected layer repacks), and then the module's own codes
+and scales are released (`release`): its buffers become meta tensors, shapes without storage. From then on
+the library's copy is the only one: every row count runs on it (an AR token too), and a path that needs
+dgemma's codes (dequantising, saving, LoRA on the weights, the torch kernels) raises `WeightsInLibrary`,
+one line that says how to get a model that has them (load it with the torch kernels).
+
+OpenVINO's copy costs ~1.5x the int4 codes and fp16 scales it replaces (measured on one 26B layer's experts:
+612 MiB for 408 MiB): the codes, each group's scale as fp32 twice (a converted constant and the kernel's
+transposed copy), and ~0.2 MiB per fully connected layer of kernels and buffers; neither the scale dtype
+handed over, signed or unsigned codes, their alignment, nor the runtime cache's capacity changes it
+(`benchmarks/README.md`). `MEMORY_FACTOR` is what `enable` checks against the memory available.
 """
 
 from __future__ import annotations
@@ -29,31 +40,55 @@ import torch
 from torch import nn
 
 GROUP = 32
-# Entries (token, choice) from which a layer runs on OpenVINO rather than torch's int4 kernel. Measured with
-# `python benchmarks/cpu_kernels.py --moe` at the 26B's shape, 1 thread: at 1 token (8 entries) the graph took
-# 0.74x torch's speed (its 128 experts all run, 120 on no rows), at 4 tokens (32 entries) 1.8x, at 256 3.0x.
-MIN_ENTRIES = 32
-# OpenVINO's own copy of the experts, as a share of their int4 bytes (measured 1.15-1.43x at the 26B's shape)
-MEMORY_FACTOR = 1.45
+# OpenVINO's copy as a share of the int4 codes and scales it replaces (1.50x measured on a 26B layer's
+# experts, per fully connected layer ~0.2 MiB on top), with a margin
+MEMORY_FACTOR = 1.6
+# Linear layers from this many weights go to the library; smaller ones keep dgemma's path, where a graph call's
+# fixed cost (~40 us) is more than the product (bench-20m's 256 x 256 layers)
+MIN_LINEAR_WEIGHTS = 1 << 20
+PARTS = ("experts", "linears")
+
+
+class WeightsInLibrary(ValueError):
+    """A path that needs dgemma's int4 codes on a module whose only copy is OpenVINO's."""
 
 
 def unavailable() -> str | None:
-    """Why the OpenVINO experts cannot run here, or None."""
+    """Why the OpenVINO kernels cannot run here, or None."""
     if importlib.util.find_spec("openvino") is None:
         return "openvino is not installed (pip install 'dgemma[cpu-kernels]')"
     return None
 
 
-def applies(module: nn.Module) -> bool:
-    """An int4 QuantExperts whose widths are whole groups of 32."""
-    if getattr(module, "fmt", None) != "int4" or not hasattr(module, "gate_up_proj_q"):
+def _readable(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """int4 codes in a layout `plain_codes` reads, widths whole groups of 32."""
+    from dgemma import devices
+
+    if getattr(module, "fmt", None) != "int4" or getattr(module, "weights_in_library", False):
         return False
-    _, two_i, half_h = module.gate_up_proj_q.shape
-    return (2 * half_h) % GROUP == 0 and (two_i // 2) % GROUP == 0
+    for name in names:
+        q = getattr(module, name)
+        rows, half = q.shape[-2:]
+        if (2 * half) % GROUP or (module.kernel_layout and not devices.int4_kernel_layout_known(rows)):
+            return False
+    return True
+
+
+def takes(module: nn.Module, everything: bool = False) -> str | None:
+    """Which part a module is, if the library takes it: "experts" (a QuantExperts), "linears" (a QuantLinear
+    of at least MIN_LINEAR_WEIGHTS weights, or any size with `everything`), else None."""
+    from dgemma.quant.quantize import QuantExperts, QuantLinear
+
+    if type(module) is QuantExperts and _readable(module, ("gate_up_proj_q", "down_proj_q")):
+        return "experts"
+    if type(module) is QuantLinear and _readable(module, ("qweight",)) and \
+            (everything or module.in_features * module.out_features >= MIN_LINEAR_WEIGHTS):
+        return "linears"
+    return None
 
 
 def plain_codes(q: torch.Tensor, kernel: bool):
-    """One expert's codes (N, K/2) -> a (N, K/2) uint8 numpy array with column 2c in the low nibble, 2c + 1 in
+    """One weight's codes (N, K/2) -> a (N, K/2) uint8 numpy array with column 2c in the low nibble, 2c + 1 in
     the high one, each the signed 4-bit value (two's complement). `kernel`: read from the layout of torch's
     CPU int4 kernel (blocks of 64 rows stored (K, 32), byte [k, j] = rows j (low) and j + 32 (high) of column
     k: see `int8_compute.Int4Widener`), else from dgemma's (value + 8 per nibble). In numpy: its uint8 bit
@@ -73,34 +108,88 @@ def plain_codes(q: torch.Tensor, kernel: bool):
 
 
 def plain_scales(scales: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """One expert's scales -> (N, K/32) fp16 (the kernel layout keeps (K/32, N, 2) scale and zero)."""
+    """One weight's scales -> (N, K/32) fp16 (the kernel layout keeps (K/32, N, 2) scale and zero)."""
     return (scales[..., 0].t() if kernel else scales).to(torch.float16).contiguous()
 
 
-class OpenVinoExperts:
-    """One compiled OpenVINO graph for a QuantExperts' E experts (see the module docstring)."""
+class _Graph:
+    """What both kinds share: building int4 weights into a graph, compiling it, calling it on torch tensors."""
+
+    def __init__(self, dtype: torch.dtype):
+        import openvino as ov
+
+        self.ov = ov
+        self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.io_type = ov.Type.bf16 if self.dtype == torch.bfloat16 else ov.Type.f32
+        self.keep = []  # the arrays the graph's constants read, alive until its first run has repacked them
+
+    def weight(self, q: torch.Tensor, scales: torch.Tensor, kernel: bool):
+        """int4 codes (N, K/2) and scales -> the graph's (N, K) fp32 weight: i4 codes (N, G, 32) -> f16 ->
+        times the (N, G, 1) scales -> (N, K), the pattern OpenVINO compresses (it never makes the dense copy)."""
+        import numpy as np
+        import openvino.opset13 as ops
+
+        ov = self.ov
+        codes, s = plain_codes(q, kernel), plain_scales(scales, kernel).numpy()
+        N, G = s.shape
+        self.keep.extend((codes, s))
+        w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, GROUP]), ov.Type.i4), shared_memory=True)
+        w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
+        return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * GROUP], dtype=np.int64)), False), ov.Type.f32)
+
+    def compile(self, outputs, inputs, threads: int, name: str):
+        import openvino.opset13 as ops
+
+        ov = self.ov
+        y = ops.convert(outputs, self.io_type)
+        compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
+        self.request = compiled.create_infer_request()
+        # what the fully connected layers multiply: bf16 activations where the CPU has bf16 (AVX512_BF16, AMX),
+        # else fp32, quantised to int8 per group of 32 on the fly where it has VNNI (OpenVINO's choice)
+        precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
+        self.activations = "bf16" if "bf16" in precision or "bfloat16" in precision else \
+            "int8 (dynamic, groups of 32) or fp32"
+
+    def tensor(self, t: torch.Tensor):
+        """A torch tensor as an OpenVINO one over the same memory."""
+        ov = self.ov
+        if t.dtype == torch.bfloat16:
+            return ov.Tensor(t.view(torch.int16).numpy(), ov.Shape(list(t.shape)), ov.Type.bf16)
+        return ov.Tensor(t.numpy(), shared_memory=True)
+
+    def run(self, x: torch.Tensor, *others: torch.Tensor, out_features: int) -> torch.Tensor:
+        x = x.to(self.dtype).contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=self.dtype)
+        self.request.set_input_tensor(0, self.tensor(x))
+        for i, other in enumerate(others, start=1):
+            self.request.set_input_tensor(i, self.tensor(other))
+        self.request.set_output_tensor(self.tensor(out))
+        self.request.infer()
+        return out
+
+    def repacked(self):
+        """After the first run: OpenVINO holds its own copy; the arrays its constants read can go."""
+        self.keep.clear()
+
+
+class LibraryExperts(_Graph):
+    """One compiled graph for a QuantExperts' E experts (see the module docstring); releases the module's codes."""
 
     def __init__(self, module: nn.Module, threads: int):
         import numpy as np
-        import openvino as ov
         import openvino.opset13 as ops
 
-        E, _, half_h = module.gate_up_proj_q.shape
-        H = 2 * half_h
-        kernel = bool(module.kernel_layout)
-        x = ops.parameter([-1, H], ov.Type.bf16, name="x")
-        offsets = ops.parameter([E + 1], ov.Type.i64, name="offsets")
-        rows = ops.convert(x, ov.Type.f32)
-        keep = []  # the arrays the constants read, alive until the first run has repacked them
+        super().__init__(module.compute_dtype)
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        H, kernel = 2 * half_h, bool(module.kernel_layout)
+        x = ops.parameter([-1, H], self.io_type, name="x")
+        offsets = ops.parameter([E + 1], self.ov.Type.i64, name="offsets")
+        rows = ops.convert(x, self.ov.Type.f32)
 
-        def fully_connected(inputs, name: str, e: int):
-            q, scales = getattr(module, f"{name}_q")[e], getattr(module, f"{name}_scales")[e]
-            codes, s = plain_codes(q, kernel), plain_scales(scales, kernel).numpy()
-            N, G = s.shape
-            keep.extend((codes, s))
-            w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, GROUP]), ov.Type.i4), shared_memory=True)
-            w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
-            w = ops.convert(ops.reshape(w, ops.constant(np.array([N, G * GROUP], dtype=np.int64)), False), ov.Type.f32)
+        def product(inputs, name: str, e: int):
+            w = self.weight(getattr(module, f"{name}_q")[e], getattr(module, f"{name}_scales")[e], kernel)
             return ops.matmul(inputs, w, False, True)
 
         def index(i: int):
@@ -110,36 +199,97 @@ class OpenVinoExperts:
         for e in range(E):
             start = ops.slice(offsets, index(e), index(e + 1), index(1))
             stop = ops.slice(offsets, index(e + 1), index(e + 2), index(1))
-            gate, up = ops.split(fully_connected(ops.slice(rows, start, stop, index(1), index(0)), "gate_up_proj", e),
+            gate, up = ops.split(product(ops.slice(rows, start, stop, index(1), index(0)), "gate_up_proj", e),
                                  ops.constant(np.int64(1)), 2).outputs()
-            outputs.append(fully_connected(ops.multiply(ops.gelu(gate, "tanh"), up), "down_proj", e))
-        y = ops.convert(ops.concat(outputs, 0), ov.Type.bf16)
-        compiled = ov.Core().compile_model(ov.Model([y], [x, offsets], "experts"), "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
-        self._ov, self.request, self.num_experts, self.hidden = ov, compiled.create_infer_request(), E, H
-        self(torch.zeros(E, H, dtype=torch.bfloat16), [1] * E)  # repacks the weights: `keep` can go
-        keep.clear()
+            outputs.append(product(ops.multiply(ops.gelu(gate, "tanh"), up), "down_proj", e))
+        self.compile(ops.concat(outputs, 0), [x, offsets], threads, "experts")
+        self.num_experts, self.hidden = E, H
+        self(torch.zeros(E, H, dtype=self.dtype), [1] * E)  # one row per expert: every layer repacks
+        self.repacked()
+        release(module, ("gate_up_proj_q", "down_proj_q", "gate_up_proj_scales", "down_proj_scales"))
 
+    @torch.compiler.disable
     def __call__(self, grouped_x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """grouped_x (R, H), rows sorted by expert (counts[e] rows each) -> the experts' outputs (R, H)."""
-        ov = self._ov
-        x = grouped_x.to(torch.bfloat16).contiguous()
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(counts).cumsum(0)
-        out = torch.empty_like(x)
-        self.request.set_input_tensor(0, ov.Tensor(x.view(torch.int16).numpy(), ov.Shape(list(x.shape)), ov.Type.bf16))
-        self.request.set_input_tensor(1, ov.Tensor(offsets.numpy(), shared_memory=True))
-        self.request.set_output_tensor(ov.Tensor(out.view(torch.int16).numpy(), ov.Shape(list(out.shape)), ov.Type.bf16))
-        self.request.infer()
-        return out.to(grouped_x.dtype)
-
-    @staticmethod
-    def runs(entries: int) -> bool:
-        return entries >= MIN_ENTRIES
+        return self.run(grouped_x, offsets, out_features=self.hidden).to(grouped_x.dtype)
 
 
-def expert_bytes(model: nn.Module) -> int:
-    """The int4 codes and scales of every QuantExperts the OpenVINO graphs would take."""
-    return sum(t.numel() * t.element_size() for m in model.modules() if applies(m)
-               for t in (m.gate_up_proj_q, m.down_proj_q, m.gate_up_proj_scales, m.down_proj_scales))
+class LibraryLinear(_Graph):
+    """One compiled graph for a QuantLinear, x (..., K) -> (..., N); releases the module's codes."""
+
+    def __init__(self, module: nn.Module, threads: int):
+        import openvino.opset13 as ops
+
+        super().__init__(module.compute_dtype)
+        K, N = module.in_features, module.out_features
+        x = ops.parameter([-1, K], self.io_type, name="x")
+        w = self.weight(module.qweight, module.scales, bool(module.kernel_layout))
+        self.compile(ops.matmul(ops.convert(x, self.ov.Type.f32), w, False, True), [x], threads, "linear")
+        self.in_features, self.out_features = K, N
+        self(torch.zeros(1, K, dtype=self.dtype))
+        self.repacked()
+        release(module, ("qweight", "scales"))
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        return self.run(flat, out_features=self.out_features).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def release(module: nn.Module, names: tuple[str, ...]):
+    """Drop the module's own copy of its weights: each buffer becomes a meta tensor of the same shape and dtype
+    (no storage), and `weights_in_library` marks the module (see `WeightsInLibrary`)."""
+    for name in names:
+        setattr(module, name, torch.empty_like(getattr(module, name), device="meta"))
+    module.weights_in_library = True
+
+
+def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: int) -> dict[str, int]:
+    """Give the library every part it takes (`takes`), module by module, each module's own copy released as
+    soon as the library holds its own. Declines, with one note on stderr, where the memory available cannot
+    hold the library's extra (`MEMORY_FACTOR`) over the weights it replaces; `required`: not installed is an
+    error. Returns {part: modules handed over}."""
+    import sys
+
+    from dgemma import devices
+
+    if unavailable():
+        if required:
+            raise ValueError(unavailable())
+        return {}
+    chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
+    if not chosen:
+        return {}
+    held = held_bytes(m for m, _ in chosen)
+    largest = max(held_bytes([m]) for m, _ in chosen)  # one module's two copies side by side while it moves
+    need = int((MEMORY_FACTOR - 1) * held + largest)
+    free = devices.available_host_memory()
+    if need > free:
+        print(f"note: int4 weights stay on torch's kernels: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB "
+              f"more, {free / 2**30:.1f} GiB available", file=sys.stderr)
+        return {}
+    counts = dict.fromkeys(PARTS, 0)
+    for module, part in chosen:
+        module.library = (LibraryExperts if part == "experts" else LibraryLinear)(module, threads)
+        module.int8 = None  # integer compute's per-weight state read the released codes
+        counts[part] += 1
+    return {part: n for part, n in counts.items() if n}
+
+
+def refuse(what: str):
+    """The one line a path that needs dgemma's copy of library-held weights raises."""
+    raise WeightsInLibrary(
+        f"{what} needs dgemma's own int4 weights, and this model handed them to OpenVINO (its only copy, "
+        "dgemma.quant.openvino): load it with DGEMMA_CPU_KERNELS=torch (or --cpu-int8-compute off) for that")
+
+
+def in_library(model: nn.Module) -> bool:
+    """Whether any module's weights are held by the library only."""
+    return any(getattr(m, "weights_in_library", False) for m in model.modules())
+
+
+def held_bytes(modules) -> int:
+    """The int4 codes and scales these modules hold (what the library takes over)."""
+    return sum(t.numel() * t.element_size() for m in modules for t in m.buffers(recurse=False))

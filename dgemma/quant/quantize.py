@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma import devices
-from dgemma.quant import int8_compute
+from dgemma.quant import int8_compute, openvino
 from dgemma.model.experts import Experts
 from dgemma.model.layers import gated_gelu
 
@@ -148,14 +148,20 @@ class QuantLinear(nn.Module):
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
     int8 = None  # what integer compute needs once `int8_compute.enable` ran: channel scales or an Int4Widener
+    library = None  # an `openvino.LibraryLinear` once `int8_compute.enable` gave the weights to it
+    weights_in_library = False  # True once the library holds the only copy (the buffers are meta tensors)
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.weights_in_library:
+            openvino.refuse("reading a layer's weights (dequantising, LoRA merging)")
         if self.kernel_layout:
             return _kernel_dequantize(self.qweight, self.scales, self.in_features, self.compute_dtype)
         return dequantize_tensor(self.qweight, self.scales, self.fmt, self.compute_dtype)
 
     def forward(self, x):
+        if self.library is not None:
+            return self.library(x)
         if self.int8 is not None:
             out = int8_compute.linear(self, x)
             if out is not None:
@@ -208,10 +214,11 @@ class QuantExperts(Experts):
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
     int8 = None  # {"gate_up_proj": ..., "down_proj": ...} once `int8_compute.enable` ran
-    library = None  # an `openvino_experts.OpenVinoExperts` once `int8_compute.enable` gave the experts to it
+    library = None  # an `openvino.LibraryExperts` once `int8_compute.enable` gave the experts to it
+    weights_in_library = False  # True once the library holds the only copy (the buffers are meta tensors)
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
-        if self.library is not None and self.library.runs(grouped_x.shape[0]) and not torch.is_grad_enabled():
+        if self.library is not None:  # every row count: its copy is the only one
             return self.library(grouped_x, counts)
         if self.int8 is not None:
             out = int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
@@ -233,6 +240,8 @@ class QuantExperts(Experts):
 
     def _one_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e on its rows (n, H): torch's int4 kernel where it runs, else dequantised weights."""
+        if self.weights_in_library:
+            openvino.refuse("running an expert on torch's kernels")
         if not self._kernel_runs(rows):
             gate_up, down = self.expert_weights(e)
             return F.linear(gated_gelu(F.linear(rows, gate_up)), down)
@@ -241,6 +250,8 @@ class QuantExperts(Experts):
         return mm(hidden.contiguous(), self.down_proj_q[e], group, self.down_proj_scales[e])
 
     def expert_weights(self, e: int):
+        if self.weights_in_library:
+            openvino.refuse("reading an expert's weights (dequantising, LoRA on the experts)")
         if self.kernel_layout:
             h = self.down_proj_q.shape[1]
             return (_kernel_dequantize(self.gate_up_proj_q[e], self.gate_up_proj_scales[e], h, self.compute_dtype),
@@ -264,6 +275,8 @@ class QuantExperts(Experts):
     def dequantized(self, name: str) -> torch.Tensor:
         """All experts' `name` tensor (E, out, in) in the model dtype, in a buffer shared by every layer
         (valid until the next layer's call), dequantised a block of experts at a time."""
+        if self.weights_in_library:
+            openvino.refuse("dequantising the experts")
         q, scales = getattr(self, f"{name}_q"), getattr(self, f"{name}_scales")
         E, out_f = q.shape[:2]
         in_f = q.shape[2] * 2 if self.fmt == "int4" else q.shape[2]
@@ -327,6 +340,8 @@ def use_cpu_int4_kernel(model: nn.Module) -> bool:
     if model.quantization != "int4" or not cpu_int4_kernel_applies(model):
         return False
     for module in model.modules():
+        if module.__dict__.get("weights_in_library"):
+            continue  # its only copy is the library's
         if isinstance(module, QuantLinear) and not module.kernel_layout and module.in_features % GROUP_SIZE["int4"] == 0:
             module.qweight, module.scales = _to_kernel_layout(module.qweight, module.scales, module.compute_dtype)
             module.kernel_layout = True
@@ -384,6 +399,8 @@ def load_dense_into(module: nn.Module, name: str, tensor: torch.Tensor):
 @torch.no_grad()
 def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
     """Quantise an already loaded model in place (tests, and models built in memory)."""
+    if openvino.in_library(model):
+        openvino.refuse("quantising the model again")
     dense = {name: t for name, t in model.state_dict().items()}
     for name, module in swap_modules(model, fmt).items():
         load_dense_into(module, name, dense[name])
@@ -403,6 +420,7 @@ def is_kernel_layout(model: nn.Module) -> bool:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by parameters and buffers (what the weights cost in memory)."""
+    """Bytes held by parameters and buffers (what the weights cost in memory; meta tensors, the shapes of weights
+    a kernel library holds, `dgemma.quant.openvino`, hold none)."""
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
