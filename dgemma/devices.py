@@ -111,14 +111,40 @@ def available_host_memory() -> int:
     cache), elsewhere the free pages. Asked afresh each time: it changes."""
     import os
 
+    return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (Linux), or None."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def total_host_memory() -> int:
+    """Bytes of host memory in all (Linux's MemTotal, elsewhere the physical pages)."""
+    import os
+
+    return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux's VmRSS; elsewhere its peak, as getrusage reports it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @functools.cache

@@ -22,9 +22,10 @@ needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None
                                     reason="openvino is not installed (pip install 'dgemma[cpu-kernels]')")
 
 
-def _tiny_int4(dtype, seed=0):
+def _tiny_int4(dtype, seed=0, **changes):
     torch.manual_seed(seed)
-    model = quantize_model(dgemma.DiffusionGemma(dgemma.get_preset("tiny")).to(dtype).eval(), "int4")
+    config = dgemma.get_preset("tiny").replace(**changes)
+    model = quantize_model(dgemma.DiffusionGemma(config).to(dtype).eval(), "int4")
     use_cpu_int4_kernel(model)  # bf16: torch's kernel layout, which the graphs read back
     return model
 
@@ -227,3 +228,30 @@ def test_unknown_library_is_refused(monkeypatch):
     monkeypatch.setenv("DGEMMA_CPU_KERNELS", "onnx")
     with pytest.raises(ValueError, match="DGEMMA_CPU_KERNELS"):
         int8_compute.enable(_tiny_int4(torch.float32), "on")
+
+
+@needs_openvino
+@torch.no_grad()
+def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
+    """The hand-over's plan: where dgemma's groups of 32 would take the process past the memory it may use, the
+    experts are quantised again in groups of 64 (the library's per-group numbers halve) and still match their
+    weights (int4 twice: cosine >= 0.99)."""
+    model = _tiny_int4(torch.bfloat16, moe_intermediate_size=64)  # widths of whole groups of 64
+    experts = model.layers[1].experts
+    dense = _dense_experts(experts)
+    chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
+    held = openvino.held_bytes(m for m, _ in chosen)
+    size = {g: sum(openvino.library_bytes(m, g if p == "experts" else 32) for m, p in chosen) for g in (32, 64)}
+    assert size[64] < size[32]
+    monkeypatch.setattr(devices, "resident_bytes", lambda: held)
+    monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
+    budget = (size[32] + size[64]) // 2  # the plan keeps rss - held + library + reserve within it
+    reserve = 4 * model.config.canvas_length * model.config.vocab_size * 4 + (256 << 20)
+    monkeypatch.setattr(devices, "total_host_memory", lambda: int((budget + reserve) / openvino.MEMORY_SHARE))
+    int8_compute.enable(model, "on", library="openvino")
+    assert experts.library.group == 64 and model.layers[0].self_attn.q_proj.library.group == 32
+    assert "groups of 64" in kernels.kernels(model, 16)["experts"]
+    counts = [5, 0, 9, 2]
+    grouped = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = experts.library(grouped, counts).float()
+    assert F.cosine_similarity(out, _reference(grouped, counts, dense), dim=-1).min() >= 0.99

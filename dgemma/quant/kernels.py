@@ -30,7 +30,8 @@ def _quantised_kernel(module: nn.Module, rows: int) -> str:
     dtype = str(module.compute_dtype).replace("torch.", "")
     if module.library is not None:
         graph = "one graph per layer" if isinstance(module, QuantExperts) else "one graph per weight"
-        return f"OpenVINO int4 x {module.library.activations} ({graph}; its copy is the only one)"
+        return (f"OpenVINO int4 x {module.library.activations}, groups of {module.library.group} ({graph}; its copy "
+                "is the only one)")
     if module.int8 is not None:
         if module.fmt == "int8":
             return "int8 x int8 (torch._int_mm)"

@@ -25,11 +25,14 @@ the library's copy is the only one: every row count runs on it (an AR token too)
 dgemma's codes (dequantising, saving, LoRA on the weights, the torch kernels) raises `WeightsInLibrary`,
 one line that says how to get a model that has them (load it with the torch kernels).
 
-OpenVINO's copy costs ~1.5x the int4 codes and fp16 scales it replaces (measured on one 26B layer's experts:
-612 MiB for 408 MiB): the codes, each group's scale as fp32 twice (a converted constant and the kernel's
-transposed copy), and ~0.2 MiB per fully connected layer of kernels and buffers; neither the scale dtype
-handed over, signed or unsigned codes, their alignment, nor the runtime cache's capacity changes it
-(`benchmarks/README.md`). `MEMORY_FACTOR` is what `enable` checks against the memory available.
+OpenVINO's copy costs more than the one it replaces (measured on one 26B layer's experts: 612 MiB for 408 MiB
+of codes and fp16 scales): the codes, each group's scale as fp32 twice (a converted constant and the kernel's
+transposed copy), ~0.2 MiB per fully connected layer, and the intermediate tensors of the largest call it has
+run; neither the scale dtype handed over, signed or unsigned codes, their alignment, nor its runtime cache's
+capacity changes that (benchmarks/README.md). So the hand-over is planned (`plan`, `library_bytes`): in
+dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
+experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), else
+not at all.
 """
 
 from __future__ import annotations
@@ -40,9 +43,13 @@ import torch
 from torch import nn
 
 GROUP = 32
-# OpenVINO's copy as a share of the int4 codes and scales it replaces (1.50x measured on a 26B layer's
-# experts, per fully connected layer ~0.2 MiB on top), with a margin
-MEMORY_FACTOR = 1.6
+# What OpenVINO holds besides the codes and two fp32 numbers per group, per fully connected layer (measured:
+# ~0.13-0.21 MiB), and the rows a canvas step gives a linear layer (batch 1), for `library_bytes`
+FC_BYTES = 200 << 10
+CANVAS_ROWS = 256
+# The hand-over plans the process's memory within this share of the machine's (and what is available):
+# on a 24 GB machine, 20 GiB
+MEMORY_SHARE = 0.85
 # Linear layers from this many weights go to the library; smaller ones keep dgemma's path, where a graph call's
 # fixed cost (~40 us) is more than the product (bench-20m's 256 x 256 layers)
 MIN_LINEAR_WEIGHTS = 1 << 20
@@ -112,30 +119,48 @@ def plain_scales(scales: torch.Tensor, kernel: bool) -> torch.Tensor:
     return (scales[..., 0].t() if kernel else scales).to(torch.float16).contiguous()
 
 
+def regroup(codes, scales, group: int):
+    """Plain signed codes (N, K/2) and fp16 scales (N, K/32) -> the same weight quantised again in groups of
+    `group` (dgemma's quantiser, its clip search included, over the dequantised values): numpy arrays in the
+    same forms, (N, K/group) scales."""
+    import numpy as np
+
+    from dgemma.quant.quantize import dequantize_tensor, quantize_tensor
+
+    nibbles = torch.from_numpy(codes ^ np.uint8(0x88))  # back to dgemma's value + 8
+    dense = dequantize_tensor(nibbles, torch.from_numpy(scales), "int4", torch.float32)
+    q, s = quantize_tensor(dense, "int4", group)
+    return q.numpy() ^ np.uint8(0x88), s.numpy()
+
+
 class _Graph:
     """What both kinds share: building int4 weights into a graph, compiling it, calling it on torch tensors."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, group: int):
         import openvino as ov
 
-        self.ov = ov
+        self.ov, self.group = ov, group
         self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.io_type = ov.Type.bf16 if self.dtype == torch.bfloat16 else ov.Type.f32
         self.keep = []  # the arrays the graph's constants read, alive until its first run has repacked them
 
     def weight(self, q: torch.Tensor, scales: torch.Tensor, kernel: bool):
-        """int4 codes (N, K/2) and scales -> the graph's (N, K) fp32 weight: i4 codes (N, G, 32) -> f16 ->
-        times the (N, G, 1) scales -> (N, K), the pattern OpenVINO compresses (it never makes the dense copy)."""
+        """int4 codes (N, K/2) and scales -> the graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 ->
+        times the (N, G, 1) scales -> (N, K), the pattern OpenVINO compresses (it never makes the dense copy).
+        In groups of `self.group`: wider than dgemma's 32, the weight is quantised again (`regroup`)."""
         import numpy as np
         import openvino.opset13 as ops
 
         ov = self.ov
         codes, s = plain_codes(q, kernel), plain_scales(scales, kernel).numpy()
+        if self.group != GROUP:
+            codes, s = regroup(codes, s, self.group)
         N, G = s.shape
         self.keep.extend((codes, s))
-        w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, GROUP]), ov.Type.i4), shared_memory=True)
+        w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, self.group]), ov.Type.i4), shared_memory=True)
         w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
-        return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * GROUP], dtype=np.int64)), False), ov.Type.f32)
+        return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * self.group], dtype=np.int64)), False),
+                           ov.Type.f32)
 
     def compile(self, outputs, inputs, threads: int, name: str):
         import openvino.opset13 as ops
@@ -177,11 +202,11 @@ class _Graph:
 class LibraryExperts(_Graph):
     """One compiled graph for a QuantExperts' E experts (see the module docstring); releases the module's codes."""
 
-    def __init__(self, module: nn.Module, threads: int):
+    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
         import numpy as np
         import openvino.opset13 as ops
 
-        super().__init__(module.compute_dtype)
+        super().__init__(module.compute_dtype, group)
         E, two_i, half_h = module.gate_up_proj_q.shape
         H, kernel = 2 * half_h, bool(module.kernel_layout)
         x = ops.parameter([-1, H], self.io_type, name="x")
@@ -219,10 +244,10 @@ class LibraryExperts(_Graph):
 class LibraryLinear(_Graph):
     """One compiled graph for a QuantLinear, x (..., K) -> (..., N); releases the module's codes."""
 
-    def __init__(self, module: nn.Module, threads: int):
+    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
         import openvino.opset13 as ops
 
-        super().__init__(module.compute_dtype)
+        super().__init__(module.compute_dtype, group)
         K, N = module.in_features, module.out_features
         x = ops.parameter([-1, K], self.io_type, name="x")
         w = self.weight(module.qweight, module.scales, bool(module.kernel_layout))
@@ -246,14 +271,49 @@ def release(module: nn.Module, names: tuple[str, ...]):
     module.weights_in_library = True
 
 
+def library_bytes(module: nn.Module, group: int) -> int:
+    """What OpenVINO holds for a module in groups of `group` (measured, benchmarks/README.md): the int4 codes,
+    two fp32 numbers per group (its scale, converted, and the kernel's transposed copy), FC_BYTES per fully
+    connected layer, and the intermediate tensors a canvas step leaves allocated (bf16, CANVAS_ROWS rows)."""
+    weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
+    elements = sum(2 * q.numel() for q in weights)
+    layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
+    if hasattr(module, "gate_up_proj_q"):
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        rows, widths = CANVAS_ROWS * 8, 2 * (2 * half_h) + two_i + two_i // 2  # top-8 entries per token
+    else:
+        rows, widths = CANVAS_ROWS, module.in_features + module.out_features
+    return elements // 2 + elements // group * 8 + layers * FC_BYTES + rows * widths * 2
+
+
+def plan(model: nn.Module, chosen: list, reserve: int) -> int | None:
+    """The experts' group size whose hand-over keeps the process within MEMORY_SHARE of the machine's memory
+    and within what is available, with `reserve` bytes left for a step's activations: dgemma's 32, else 64
+    (the library's per-group numbers halve: ~15% less); None where neither fits."""
+    from dgemma import devices
+
+    rss, available = devices.resident_bytes(), devices.available_host_memory()
+    ceiling = min(rss + available, int(MEMORY_SHARE * devices.total_host_memory()))
+    held = held_bytes(m for m, _ in chosen)
+    for group in (GROUP, 2 * GROUP):
+        if group != GROUP and not all(_groups_divide(m, group) for m, part in chosen if part == "experts"):
+            continue
+        library = sum(library_bytes(m, group if part == "experts" else GROUP) for m, part in chosen)
+        if rss - held + library + reserve <= ceiling:
+            return group
+    return None
+
+
+def _groups_divide(module: nn.Module, group: int) -> bool:
+    return all((2 * getattr(module, n).shape[-1]) % group == 0 for n in ("gate_up_proj_q", "down_proj_q"))
+
+
 def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: int) -> dict[str, int]:
     """Give the library every part it takes (`takes`), module by module, each module's own copy released as
-    soon as the library holds its own. Declines, with one note on stderr, where the memory available cannot
-    hold the library's extra (`MEMORY_FACTOR`) over the weights it replaces; `required`: not installed is an
-    error. Returns {part: modules handed over}."""
+    soon as the library holds its own, in the experts' group size `plan` picks; where none fits, nothing is
+    handed over and one note on stderr says so. `required`: not installed is an error. Returns
+    {part: modules handed over, "group": the experts' group size}."""
     import sys
-
-    from dgemma import devices
 
     if unavailable():
         if required:
@@ -262,20 +322,22 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
     chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
     if not chosen:
         return {}
-    held = held_bytes(m for m, _ in chosen)
-    largest = max(held_bytes([m]) for m, _ in chosen)  # one module's two copies side by side while it moves
-    need = int((MEMORY_FACTOR - 1) * held + largest)
-    free = devices.available_host_memory()
-    if need > free:
-        print(f"note: int4 weights stay on torch's kernels: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB "
-              f"more, {free / 2**30:.1f} GiB available", file=sys.stderr)
+    c = model.config
+    reserve = 4 * c.canvas_length * c.vocab_size * 4 + (256 << 20)  # a step's fp32 (L, V) logits and kin
+    group = plan(model, chosen, reserve)
+    if group is None:
+        print("note: int4 weights stay on torch's kernels: OpenVINO's copy of them does not fit the memory "
+              f"(within {MEMORY_SHARE:.0%} of it, and what is available)", file=sys.stderr)
         return {}
     counts = dict.fromkeys(PARTS, 0)
     for module, part in chosen:
-        module.library = (LibraryExperts if part == "experts" else LibraryLinear)(module, threads)
+        if part == "experts":
+            module.library = LibraryExperts(module, threads, group)
+        else:
+            module.library = LibraryLinear(module, threads)
         module.int8 = None  # integer compute's per-weight state read the released codes
         counts[part] += 1
-    return {part: n for part, n in counts.items() if n}
+    return {part: n for part, n in counts.items() if n} | {"group": group}
 
 
 def refuse(what: str):
