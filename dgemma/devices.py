@@ -106,6 +106,11 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_info()[1])
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (x86 AMX-BF16): oneDNN's bf16 matmuls run there."""
+    return "amx_bf16" in cpu_info()[1]
+
+
 def available_host_memory() -> int:
     """Bytes of host memory free for new allocations: Linux's MemAvailable (which counts reclaimable page
     cache), elsewhere the free pages. Asked afresh each time: it changes."""

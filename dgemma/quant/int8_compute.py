@@ -25,7 +25,6 @@ Attention itself, norms and the router stay in floating point.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch import nn
@@ -48,6 +47,7 @@ MAX_EXACT_K = 1 << 17
 # bf16 against int8, 1 / 64 / 256 rows): at 8,192 x 256 the soft embedding ran 0.80-0.92x and the head
 # 1.1x at a canvas's rows; at 32,768 x 512 the soft embedding 1.1-2.2x; from 65,536 x 1,024 on both 1.0-3.7x.
 MIN_TABLE_ENTRIES = 1 << 24
+TABLE_INT8_ON_AMX = False  # on CPUs with AMX-BF16 the table stays bf16 (`table_in_int8`); tests force the codes
 
 
 def resolve(mode: str, model: nn.Module) -> bool:
@@ -209,8 +209,8 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
     `library`: where the int4 weights' kernels come from (`dgemma.quant.openvino`): "torch"; "openvino" (every
     int4 weight it can take, an error where it is not installed); or "auto": OpenVINO for the parts where it
     is the faster (`openvino.takes`) where it is installed, unless the environment variable
-    DGEMMA_CPU_KERNELS names one of the other two. The weights OpenVINO takes are its only copy from then on.
-    One line on stderr says which kernel runs each part (`kernels.start_line`)."""
+    DGEMMA_CPU_KERNELS names one of the other two. The weights OpenVINO takes are its only copy from then on
+    (`kernels.start_line` says which kernel runs each part: the commands print it)."""
     if library not in LIBRARIES:
         raise ValueError(f"int4 weights' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
     if library == "auto":
@@ -234,13 +234,18 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
         elif hasattr(module, "int8"):
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
-    table = model.embed_tokens.weight
-    model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
+    model.int8_table = Int8Table(model.embed_tokens.weight) if table_in_int8(model) else None
     model.integer_compute_on = True
-    from dgemma.quant import kernels
-
-    print("note: " + kernels.start_line(model), file=sys.stderr)
     return True
+
+
+def table_in_int8(model: nn.Module) -> bool:
+    """Whether the tied table gets int8 codes for the LM head and the soft embedding: from MIN_TABLE_ENTRIES
+    entries, on CPUs without AMX-BF16. With AMX the bf16 table measured as fast at a canvas's rows on 1 thread
+    (65,536 x 2,816, 256 rows: head 1.19x faster, soft embedding 0.86x) and 1.8-2.3x faster on 2 loaded
+    threads (benchmarks/README.md), and the codes would cost V x H bytes more (0.69 GiB at the 26B's shape)."""
+    big = model.embed_tokens.weight.numel() >= MIN_TABLE_ENTRIES
+    return big and (TABLE_INT8_ON_AMX or not devices.cpu_has_amx_bf16())
 
 
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):

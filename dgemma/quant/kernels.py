@@ -43,9 +43,17 @@ def _quantised_kernel(module: nn.Module, rows: int) -> str:
     return f"{module.fmt} dequantised to {dtype}, then a {dtype} matmul"
 
 
-def _linear(model: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
-    """The first layer's linear called one of `names` (the largest kind decides the part's kernel)."""
-    return next((m for name, m in model.layers.named_modules() if name.rsplit(".", 1)[-1] in names), None)
+def _described(modules: list, rows: int, dtype: str) -> str:
+    """The kernel of a part held by these modules (one per layer); where the library holds some layers' weights
+    and memory kept the others on dgemma's copy, both, with the count."""
+    if not modules or not isinstance(modules[0], (QuantLinear, QuantExperts)):
+        return f"{dtype} matmuls (grid or per expert)" if modules and isinstance(modules[0], Experts) else f"{dtype} matmul"
+    on = [m for m in modules if m.library is not None]
+    if not on or len(on) == len(modules):
+        return _quantised_kernel(modules[0], rows)
+    off = next(m for m in modules if m.library is None)
+    return (f"{_quantised_kernel(on[0], rows)} in {len(on)} of {len(modules)} layers, the others "
+            f"{_quantised_kernel(off, rows)}")
 
 
 def kernels(model: nn.Module, rows: int) -> dict:
@@ -54,14 +62,11 @@ def kernels(model: nn.Module, rows: int) -> dict:
     c = model.config
     expert_rows = max(1, round(rows * c.top_k_experts / c.num_experts))
     out = {}
-    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
-    if isinstance(experts, QuantExperts):
-        out["experts"] = _quantised_kernel(experts, expert_rows)
-    elif experts is not None:
-        out["experts"] = f"{dtype} matmuls (grid or per expert)"
-    for part, names in (("attention projections", ("q_proj",)), ("dense MLP", ("gate_proj",))):
-        linear = _linear(model, names)
-        out[part] = _quantised_kernel(linear, rows) if isinstance(linear, QuantLinear) else f"{dtype} matmul"
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if experts:
+        out["experts"] = _described(experts, expert_rows, dtype)
+    for part, name in (("attention projections", "q_proj"), ("dense MLP", "gate_proj")):
+        out[part] = _described([m for n, m in model.layers.named_modules() if n.rsplit(".", 1)[-1] == name], rows, dtype)
     table = "int8 x int8 table (torch._int_mm)" if model.int8_table is not None else f"{dtype} matmul"
     out["head"] = out["soft embedding"] = table
     out["expert_rows"] = expert_rows

@@ -31,8 +31,8 @@ transposed copy), ~0.2 MiB per fully connected layer, and the intermediate tenso
 run; neither the scale dtype handed over, signed or unsigned codes, their alignment, nor its runtime cache's
 capacity changes that (benchmarks/README.md). So the hand-over is planned (`plan`, `library_bytes`): in
 dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
-experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), else
-not at all.
+experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and
+as many layers as fit; the others keep dgemma's copy and torch's kernels.
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ def _readable(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 def takes(module: nn.Module, everything: bool = False) -> str | None:
     """Which part a module is, if the library takes it: "experts" (a QuantExperts), "linears" (a QuantLinear
-    of at least MIN_LINEAR_WEIGHTS weights, or any size with `everything`), else None."""
-    from dgemma.quant.quantize import QuantExperts, QuantLinear
-
-    if type(module) is QuantExperts and _readable(module, ("gate_up_proj_q", "down_proj_q")):
+    of at least MIN_LINEAR_WEIGHTS weights, or any size with `everything`), else None. (Known by their
+    buffers: dgemma.quant.quantize imports this module.)"""
+    if not hasattr(module, "library"):
+        return None
+    if hasattr(module, "gate_up_proj_q") and _readable(module, ("gate_up_proj_q", "down_proj_q")):
         return "experts"
-    if type(module) is QuantLinear and _readable(module, ("qweight",)) and \
+    if hasattr(module, "qweight") and _readable(module, ("qweight",)) and \
             (everything or module.in_features * module.out_features >= MIN_LINEAR_WEIGHTS):
         return "linears"
     return None
@@ -125,7 +126,7 @@ def regroup(codes, scales, group: int):
     same forms, (N, K/group) scales."""
     import numpy as np
 
-    from dgemma.quant.quantize import dequantize_tensor, quantize_tensor
+    from dgemma.quant.formats import dequantize_tensor, quantize_tensor
 
     nibbles = torch.from_numpy(codes ^ np.uint8(0x88))  # back to dgemma's value + 8
     dense = dequantize_tensor(nibbles, torch.from_numpy(scales), "int4", torch.float32)
@@ -286,22 +287,34 @@ def library_bytes(module: nn.Module, group: int) -> int:
     return elements // 2 + elements // group * 8 + layers * FC_BYTES + rows * widths * 2
 
 
-def plan(model: nn.Module, chosen: list, reserve: int) -> int | None:
-    """The experts' group size whose hand-over keeps the process within MEMORY_SHARE of the machine's memory
-    and within what is available, with `reserve` bytes left for a step's activations: dgemma's 32, else 64
-    (the library's per-group numbers halve: ~15% less); None where neither fits."""
+def plan(chosen: list, reserve: int) -> tuple[int, list]:
+    """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
+    process stays within MEMORY_SHARE of the machine's memory and within what is available, with `reserve`
+    bytes left for a step's activations. Every linear layer first (a few percent of the weights, as fast a
+    gain as the experts' per layer), then the experts: all of them in dgemma's groups of 32, else in groups
+    of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32) where nothing does."""
     from dgemma import devices
 
-    rss, available = devices.resident_bytes(), devices.available_host_memory()
-    ceiling = min(rss + available, int(MEMORY_SHARE * devices.total_host_memory()))
-    held = held_bytes(m for m, _ in chosen)
-    for group in (GROUP, 2 * GROUP):
-        if group != GROUP and not all(_groups_divide(m, group) for m, part in chosen if part == "experts"):
-            continue
-        library = sum(library_bytes(m, group if part == "experts" else GROUP) for m, part in chosen)
-        if rss - held + library + reserve <= ceiling:
-            return group
-    return None
+    rss = devices.resident_bytes()
+    ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
+    room = ceiling - reserve - rss  # what the hand-over may add
+
+    def growth(module, part, group):
+        return library_bytes(module, group if part == "experts" else GROUP) - held_bytes([module])
+
+    linears = [(m, p) for m, p in chosen if p == "linears"]
+    experts = [(m, p) for m, p in chosen if p == "experts"]
+    groups = [GROUP] + ([2 * GROUP] if experts and all(_groups_divide(m, 2 * GROUP) for m, _ in experts) else [])
+    for group in groups:
+        if sum(growth(m, p, group) for m, p in chosen) <= room:
+            return group, chosen
+    taken, group = [], groups[-1]
+    for module, part in linears + experts:
+        cost = growth(module, part, group)
+        if cost <= room:
+            taken.append((module, part))
+            room -= cost
+    return group, taken
 
 
 def _groups_divide(module: nn.Module, group: int) -> bool:
@@ -309,10 +322,10 @@ def _groups_divide(module: nn.Module, group: int) -> bool:
 
 
 def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: int) -> dict[str, int]:
-    """Give the library every part it takes (`takes`), module by module, each module's own copy released as
-    soon as the library holds its own, in the experts' group size `plan` picks; where none fits, nothing is
-    handed over and one note on stderr says so. `required`: not installed is an error. Returns
-    {part: modules handed over, "group": the experts' group size}."""
+    """Give the library the parts it takes (`takes`) that `plan` fits in memory, module by module, each module's
+    own copy released as soon as the library holds its own; one note on stderr where memory kept any on
+    torch's kernels. `required`: not installed is an error. Returns {part: modules handed over, "left": modules
+    memory kept, "group": the experts' group size}."""
     import sys
 
     if unavailable():
@@ -324,20 +337,20 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
         return {}
     c = model.config
     reserve = 4 * c.canvas_length * c.vocab_size * 4 + (256 << 20)  # a step's fp32 (L, V) logits and kin
-    group = plan(model, chosen, reserve)
-    if group is None:
-        print("note: int4 weights stay on torch's kernels: OpenVINO's copy of them does not fit the memory "
-              f"(within {MEMORY_SHARE:.0%} of it, and what is available)", file=sys.stderr)
-        return {}
+    group, taken = plan(chosen, reserve)
+    if len(taken) < len(chosen):
+        print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
+              f"copy of them would not fit the memory (within {MEMORY_SHARE:.0%} of it, and what is available)",
+              file=sys.stderr)
     counts = dict.fromkeys(PARTS, 0)
-    for module, part in chosen:
+    for module, part in taken:
         if part == "experts":
             module.library = LibraryExperts(module, threads, group)
         else:
             module.library = LibraryLinear(module, threads)
         module.int8 = None  # integer compute's per-weight state read the released codes
         counts[part] += 1
-    return {part: n for part, n in counts.items() if n} | {"group": group}
+    return {part: n for part, n in counts.items() if n} | {"left": len(chosen) - len(taken), "group": group}
 
 
 def refuse(what: str):
