@@ -246,7 +246,7 @@ def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
     monkeypatch.setattr(devices, "resident_bytes", lambda: held)
     monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
     budget = (size[32] + size[64]) // 2  # the plan keeps rss - held + library + reserve within it
-    reserve = 4 * model.config.canvas_length * model.config.vocab_size * 4 + (256 << 20)
+    reserve = openvino.reserve_bytes(model.config)
     monkeypatch.setattr(devices, "total_host_memory", lambda: int((budget + reserve) / openvino.MEMORY_SHARE))
     int8_compute.enable(model, "on", library="openvino")
     assert experts.library.group == 64 and model.layers[0].self_attn.q_proj.library.group == 32
@@ -255,3 +255,28 @@ def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
     grouped = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     out = experts.library(grouped, counts).float()
     assert F.cosine_similarity(out, _reference(grouped, counts, dense), dim=-1).min() >= 0.99
+
+
+@needs_openvino
+def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
+    """Where not every layer's experts fit, the linears and as many experts as fit go over, the rest keep
+    dgemma's copy and torch's kernels; the note and the kernels say how many."""
+    model = _tiny_int4(torch.bfloat16)
+    chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
+    held = openvino.held_bytes(m for m, _ in chosen)
+
+    def growth(pairs):
+        return sum(openvino.library_bytes(m, 32) - openvino.held_bytes([m]) for m, _ in pairs)
+
+    linears, experts = [c for c in chosen if c[1] == "linears"], [c for c in chosen if c[1] == "experts"]
+    room = growth(linears) + growth(experts[:1]) + 1  # the linears and one layer's experts (groups of 32: tiny)
+    monkeypatch.setattr(devices, "resident_bytes", lambda: held)
+    monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
+    total = (held + room + openvino.reserve_bytes(model.config)) / openvino.MEMORY_SHARE
+    monkeypatch.setattr(devices, "total_host_memory", lambda: int(total) + 1)
+    int8_compute.enable(model, "on", library="openvino")
+    on = [block.experts.library is not None for block in model.layers]
+    assert on == [True, False, False, False]
+    assert f"{len(chosen) - len(linears) - 1} of {len(chosen)} int4 weights stay" in capsys.readouterr().err
+    assert "in 1 of 4 layers, the others torch int4" in kernels.kernels(model, 16)["experts"]
+    assert not model.layers[1].experts.gate_up_proj_q.is_meta  # dgemma's copy, still in use

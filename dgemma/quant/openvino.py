@@ -287,6 +287,12 @@ def library_bytes(module: nn.Module, group: int) -> int:
     return elements // 2 + elements // group * 8 + layers * FC_BYTES + rows * widths * 2
 
 
+def reserve_bytes(config) -> int:
+    """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
+    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step)."""
+    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20)
+
+
 def plan(chosen: list, reserve: int) -> tuple[int, list]:
     """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
     process stays within MEMORY_SHARE of the machine's memory and within what is available, with `reserve`
@@ -335,9 +341,7 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
     chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
     if not chosen:
         return {}
-    c = model.config
-    reserve = 4 * c.canvas_length * c.vocab_size * 4 + (256 << 20)  # a step's fp32 (L, V) logits and kin
-    group, taken = plan(chosen, reserve)
+    group, taken = plan(chosen, reserve_bytes(model.config))
     if len(taken) < len(chosen):
         print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
               f"copy of them would not fit the memory (within {MEMORY_SHARE:.0%} of it, and what is available)",
