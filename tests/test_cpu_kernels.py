@@ -57,7 +57,7 @@ def test_codes_are_handed_over_as_signed_nibbles(kernel):
     codes = torch.from_numpy(openvino.plain_codes(q, kernel))
     low, high = (codes & 15).to(torch.int8), (codes >> 4).to(torch.int8)
     values = torch.stack([low - 16 * (low > 7), high - 16 * (high > 7)], dim=-1).flatten(-2)  # (128, 96)
-    dense = values.float().view(128, 3, 32) * openvino.plain_scales(scales, kernel).float()[..., None]
+    dense = values.float().view(128, 3, 32) * torch.from_numpy(openvino.plain_scales(scales, kernel)).float()[..., None]
     reference = quant.dequantize_tensor(*quant.quantize_tensor(w, "int4"), "int4", torch.float32)
     assert torch.allclose(dense.view(128, 96), reference, rtol=2**-7, atol=0)  # kernel scales are bf16
 

@@ -96,28 +96,29 @@ def takes(module: nn.Module, everything: bool = False) -> str | None:
 
 
 def plain_codes(q: torch.Tensor, kernel: bool):
-    """One weight's codes (N, K/2) -> a (N, K/2) uint8 numpy array with column 2c in the low nibble, 2c + 1 in
-    the high one, each the signed 4-bit value (two's complement). `kernel`: read from the layout of torch's
-    CPU int4 kernel (blocks of 64 rows stored (K, 32), byte [k, j] = rows j (low) and j + 32 (high) of column
-    k: see `int8_compute.Int4Widener`), else from dgemma's (value + 8 per nibble). In numpy: its uint8 bit
-    operations are ~100x torch's here."""
+    """Codes (..., N, K/2) (one weight, or a stack of experts) -> a (..., N, K/2) uint8 numpy array with
+    column 2c in the low nibble, 2c + 1 in the high one, each the signed 4-bit value (two's complement).
+    `kernel`: read from the layout of torch's CPU int4 kernel (blocks of 64 rows stored (K, 32), byte [k, j] =
+    rows j (low) and j + 32 (high) of column k: see `int8_compute.Int4Widener`), else from dgemma's (value + 8
+    per nibble). In numpy, a whole stack at once: its uint8 bit operations are ~100x torch's here."""
     import numpy as np
 
     codes = q.numpy()
     if kernel:
-        N, half = codes.shape
-        pairs = codes.reshape(N // 64, half, 2, 32)  # (block, column pair, even / odd column, row in half-block)
-        even, odd = pairs[:, :, 0], pairs[:, :, 1]
-        plain = np.empty((N // 64, 64, half), np.uint8)
-        plain[:, :32] = ((even & np.uint8(15)) | ((odd & np.uint8(15)) << np.uint8(4))).transpose(0, 2, 1)
-        plain[:, 32:] = ((even >> np.uint8(4)) | (odd & np.uint8(0xF0))).transpose(0, 2, 1)
-        codes = plain.reshape(N, half)
+        *lead, N, half = codes.shape
+        pairs = codes.reshape(-1, N // 64, half, 2, 32)  # (weight, block, column pair, even / odd column, row)
+        even, odd = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        plain = np.empty((pairs.shape[0], N // 64, 64, half), np.uint8)
+        plain[:, :, :32] = ((even & np.uint8(15)) | ((odd & np.uint8(15)) << np.uint8(4))).transpose(0, 1, 3, 2)
+        plain[:, :, 32:] = ((even >> np.uint8(4)) | (odd & np.uint8(0xF0))).transpose(0, 1, 3, 2)
+        codes = plain.reshape(*lead, N, half)
     return codes ^ np.uint8(0x88)  # value + 8 -> value, in each nibble
 
 
-def plain_scales(scales: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """One weight's scales -> (N, K/32) fp16 (the kernel layout keeps (K/32, N, 2) scale and zero)."""
-    return (scales[..., 0].t() if kernel else scales).to(torch.float16).contiguous()
+def plain_scales(scales: torch.Tensor, kernel: bool):
+    """Scales (one weight's, or a stack's) -> a (..., N, K/32) fp16 numpy array (the kernel layout keeps
+    (..., K/32, N, 2) scale and zero)."""
+    return (scales[..., 0].transpose(-1, -2) if kernel else scales).to(torch.float16).contiguous().numpy()
 
 
 def regroup(codes, scales, group: int):
@@ -145,19 +146,19 @@ class _Graph:
         self.io_type = ov.Type.bf16 if self.dtype == torch.bfloat16 else ov.Type.f32
         self.keep = []  # the arrays the graph's constants read, alive until its first run has repacked them
 
-    def weight(self, q: torch.Tensor, scales: torch.Tensor, kernel: bool):
-        """int4 codes (N, K/2) and scales -> the graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 ->
-        times the (N, G, 1) scales -> (N, K), the pattern OpenVINO compresses (it never makes the dense copy).
-        In groups of `self.group`: wider than dgemma's 32, the weight is quantised again (`regroup`)."""
+    def weight(self, codes, s):
+        """One weight's plain codes (N, K/2) and fp16 scales (N, K/32) (`plain_codes`, `plain_scales`) -> the
+        graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 -> times the (N, G, 1) scales -> (N, K), the
+        pattern OpenVINO compresses (it never makes the dense copy). In groups of `self.group`: wider than
+        dgemma's 32, the weight is quantised again (`regroup`)."""
         import numpy as np
         import openvino.opset13 as ops
 
         ov = self.ov
-        codes, s = plain_codes(q, kernel), plain_scales(scales, kernel).numpy()
         if self.group != GROUP:
             codes, s = regroup(codes, s, self.group)
         N, G = s.shape
-        self.keep.extend((codes, s))
+        self.keep.extend((codes, s))  # views of a stack the caller keeps too; theirs, once regrouped
         w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, self.group]), ov.Type.i4), shared_memory=True)
         w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
         return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * self.group], dtype=np.int64)), False),
@@ -214,9 +215,14 @@ class LibraryExperts(_Graph):
         offsets = ops.parameter([E + 1], self.ov.Type.i64, name="offsets")
         rows = ops.convert(x, self.ov.Type.f32)
 
+        plain = {name: (plain_codes(getattr(module, f"{name}_q"), kernel),
+                        plain_scales(getattr(module, f"{name}_scales"), kernel))
+                 for name in ("gate_up_proj", "down_proj")}  # whole stacks: one conversion each
+        self.keep.append(plain)
+
         def product(inputs, name: str, e: int):
-            w = self.weight(getattr(module, f"{name}_q")[e], getattr(module, f"{name}_scales")[e], kernel)
-            return ops.matmul(inputs, w, False, True)
+            codes, s = plain[name]
+            return ops.matmul(inputs, self.weight(codes[e], s[e]), False, True)
 
         def index(i: int):
             return ops.constant(np.array([i], dtype=np.int64))
@@ -251,7 +257,8 @@ class LibraryLinear(_Graph):
         super().__init__(module.compute_dtype, group)
         K, N = module.in_features, module.out_features
         x = ops.parameter([-1, K], self.io_type, name="x")
-        w = self.weight(module.qweight, module.scales, bool(module.kernel_layout))
+        kernel = bool(module.kernel_layout)
+        w = self.weight(plain_codes(module.qweight, kernel), plain_scales(module.scales, kernel))
         self.compile(ops.matmul(ops.convert(x, self.ov.Type.f32), w, False, True), [x], threads, "linear")
         self.in_features, self.out_features = K, N
         self(torch.zeros(1, K, dtype=self.dtype))
