@@ -3,7 +3,7 @@ a fresh process (the library holds the only copy of the weights it takes, so one
 one after the other, then one table of both and their ratios.
 
 Per system: build (random int4 weights made directly in int4, `dgemma.weights.random_weights`), the
-hand-over to the library (integer compute's `enable`), the resident weights and RSS, each part's kernel, a
+hand-over to the library (int8 compute's `enable`), the resident weights and RSS, each part's kernel, a
 prefill, an AR token, a denoising step of the 256-token canvas fed self-conditioning probabilities (as every
 step after the first), the step cache's step with 25 / 50 / 75% of the canvas active (`decode_active`),
 and the parts of a step: one layer's attention projections (sliding, full), dense MLP and routed experts

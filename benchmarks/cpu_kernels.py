@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import devices
-from dgemma.quant import int8_compute, quantize as quant
+from dgemma.quant import int8_compute
+from dgemma.quant import quantize as quant
 
 GROUP = quant.GROUP_SIZE["int4"]
 # (part, K, N, row counts): the 26B-A4B's weights (hidden 2816; experts 704 wide, gate|up fused; dense MLP

@@ -1,4 +1,4 @@
-"""Integer compute for quantised models on a CPU (`--cpu-int8-compute`), off against on, side by side.
+"""Int8 compute for quantised models on a CPU (`--cpu-int8-compute`), off against on, side by side.
 
     python benchmarks/int8_compute.py threshold                      # rows where widening int4 to int8 pays
     python benchmarks/int8_compute.py step --quantize int8           # bench-20m's eager step and AR token
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import dgemma
 from dgemma import devices
 from dgemma.model.network import PreviousStep
-from dgemma.quant import int8_compute, quantize as quant
+from dgemma.quant import int8_compute
+from dgemma.quant import quantize as quant
 from dgemma.weights.random_weights import random_model
 
 

@@ -46,8 +46,7 @@ def write_checkpoint(config, folder: Path):
     import torch
 
     from dgemma.model.network import DiffusionGemma
-    from dgemma.weights.checkpoint import save_pretrained
-    from dgemma.weights.checkpoint import LazyWeights
+    from dgemma.weights.checkpoint import LazyWeights, save_pretrained
 
     with torch.device("meta"):
         model = DiffusionGemma(config)
@@ -68,8 +67,8 @@ def worker(model_dir: str, data: str, mode: str, out: str):
 
     from dgemma.training import TrainConfig
     from dgemma.training import distributed as D
-    from dgemma.training.loop import _accumulate_gradients, _architecture_and_data, _model_and_optimizer, _optimizer
     from dgemma.training.data import ExampleStream
+    from dgemma.training.loop import _accumulate_gradients, _architecture_and_data, _model_and_optimizer, _optimizer
     from dgemma.training.model_setup import configure_trainable
 
     torch.set_num_threads(1)

@@ -81,9 +81,10 @@ def long_prompt(index: int) -> str:
 def build_model_512(root: Path) -> Path:
     """benchmarks/prefix_cache.py's 8-layer, 512-wide model (random weights) with the Gemma-shaped tokenizer
     and its chat template, 2 denoising steps at most, written under `root`."""
-    import dgemma
     from conftest import write_gemma_tokenizer
     from prefix_cache import model_512
+
+    import dgemma
 
     model = model_512()
     folder = root / "model-512"
@@ -100,8 +101,9 @@ def build_model(root: Path) -> Path:
     import json as _json
     import shutil
 
-    import dgemma
     from conftest import IMAGE_SPECIALS, SMALL_PROCESSOR, SMALL_VISION, make_hf_model, write_gemma_tokenizer
+
+    import dgemma
 
     words = root / "tokenizer"
     words.mkdir()

@@ -2,7 +2,7 @@
 
 from dgemma.config import PRESETS, ConfigError, ModelConfig, SamplingConfig, get_preset
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["ModelConfig", "SamplingConfig", "ConfigError", "PRESETS", "get_preset", "load_model", "save_pretrained", "compile_model",
            "DiffusionGemma", "PreviousStep"]

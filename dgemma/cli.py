@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.config import ConfigError
     from dgemma.devices import DeviceError
-    from dgemma.weights.checkpoint import CheckpointError
     from dgemma.parallel.plan import SplitError
     from dgemma.tokenizer import TokenizerError
+    from dgemma.weights.checkpoint import CheckpointError
 
     return (UsageError, ConfigError, DeviceError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
             IsADirectoryError, PermissionError)

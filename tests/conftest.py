@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `serve`, `chat`, `bench` and `sudoku eval` compile by default (a minute or more per process on CI's two
 # cores): the tests run them eagerly, as --eager does, except the few that test compiling itself.
 os.environ.setdefault("DGEMMA_EAGER", "1")
-# Integer compute keeps int4 experts on torch's kernels here (the path most tests check); the OpenVINO experts
+# Int8 compute keeps int4 experts on torch's kernels here (the path most tests check); the OpenVINO experts
 # of the cpu-kernels extra have their own tests (test_cpu_kernels.py), which ask for them.
 os.environ.setdefault("DGEMMA_CPU_KERNELS", "torch")
 # Two threads on the CI machine's two cores; OMP_NUM_THREADS=1 when sharing the machine with other work

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dgemma.weights.checkpoint import model_config
 from dgemma.training import distributed as D
 from dgemma.training.model_setup import configure_trainable
 from dgemma.training.weights import materialise, meta_model
+from dgemma.weights.checkpoint import model_config
 
 LORA = dict(rank=4, alpha=8.0, targets=("q_proj", "mlp.down_proj", "experts"))
 

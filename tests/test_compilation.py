@@ -11,9 +11,9 @@ import torch
 
 import dgemma
 from dgemma.commands._common import add_compile_arguments, wants_compile
+from dgemma.compilation import policy, steps
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
-from dgemma.compilation import policy, steps
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,8 @@ def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tm
     from dgemma import cli
     from dgemma.commands._common import engine_shape
     from dgemma.commands.sudoku import SHIPPED
-    from dgemma.weights.hub import load_model
     from dgemma.tasks.sudoku_eval import MAX_LENGTH
+    from dgemma.weights.hub import load_model
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DGEMMA_EAGER", raising=False)

@@ -17,9 +17,9 @@ import torch
 
 import dgemma
 from dgemma.cli import main as dgemma_main
-from dgemma.weights.convert import convert_gemma4
-from dgemma.weights.checkpoint import CheckpointError
 from dgemma.model.network import PreviousStep
+from dgemma.weights.checkpoint import CheckpointError
+from dgemma.weights.convert import convert_gemma4
 from tests.conftest import perturb_every_tensor
 
 TOL = 1e-4

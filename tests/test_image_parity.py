@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 import dgemma
-from dgemma.model.network import PreviousStep
 from dgemma.images import ImageProcessor, expand_image_tokens
+from dgemma.model.network import PreviousStep
 from tests.conftest import make_hf_model, unperturbed_tensors
 
 TOL = 1e-4

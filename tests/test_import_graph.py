@@ -172,3 +172,19 @@ def test_the_model_room_holds_the_network_alone():
                    for m in imports if _room(m) not in ground | {"model"})
     assert found == []
 
+
+
+
+# Rules written once: each pattern may appear only in the file that defines the rule.
+ONE_DEFINITION = {
+    "% GROUP_SIZE[": "dgemma/quant/formats.py",  # the int8/int4 group size and its fallback (`group_size`)
+    "step cache does not work with": ("dgemma/model/network.py", "dgemma/parallel/modules.py"),  # step_cache_refusal
+}
+
+
+def test_rules_written_once_stay_where_they_are_defined():
+    found = sorted(f"{path.relative_to(ROOT.parent)}: {pattern}" for path in ROOT.rglob("*.py")
+                   for pattern, home in ONE_DEFINITION.items()
+                   if pattern in path.read_text() and str(path.relative_to(ROOT.parent)) not in (
+                       home if isinstance(home, tuple) else (home,)))
+    assert found == []

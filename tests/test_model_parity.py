@@ -239,7 +239,7 @@ def test_generation_cache_layout_k_eq_v_once_and_canvas_slots(hf_checkpoints):
     rows = torch.tensor([1, 2])
     first = model.denoise(canvas, cache, rows=rows)
     assert all(torch.equal(k[:, :, c.canvas_length :], p) for k, p in zip(cache.keys, prefix))
-    keys, _ = cache.decoder_buffers(rows)[0]
+    keys, _ = cache.canvas_buffers(rows)[0]
     assert keys.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()  # a view
     # the reserved slots do not leak between calls: the same canvas again gives the same logits
     model.denoise(torch.randint(0, c.vocab_size, (2, c.canvas_length)), cache, rows=rows)

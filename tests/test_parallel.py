@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import make_hf_model, wait_until
+
 from dgemma.config import SamplingConfig
 from dgemma.model.network import PreviousStep
 
@@ -96,9 +96,9 @@ def loop_and_scores(model):
 
 
 def _split_passes(rank, folder, out):
-    from dgemma.quant import int8_compute
     from dgemma.parallel.group import join
     from dgemma.parallel.load import load_split_model
+    from dgemma.quant import int8_compute
 
     tp = join("cpu")
     int8_compute.MIN_TABLE_ENTRIES = 0  # the tiny table's int8 codes too, whatever the CPU
@@ -119,8 +119,8 @@ def _split_passes(rank, folder, out):
 def test_split_logits_match_one_process(split_checkpoint, tmp_path):
     """fp32 and int8 (each rank quantises its slices): encoder and decoder logits within 1e-5; the engine's
     tokens for a batch of 4 prompts of different lengths, the plain loop's tokens and the engine's prompt
-    scores the same. int8 with integer compute (--cpu-int8-compute on, the tied table's codes too): logits as
-    far from the dequantised weights' as one process's integer compute's, in order of magnitude."""
+    scores the same. int8 with int8 compute (--cpu-int8-compute on, the tied table's codes too): logits as
+    far from the dequantised weights' as one process's int8 compute's, in order of magnitude."""
     from dgemma.quant import int8_compute
     from dgemma.weights.hub import load_model
 
@@ -140,7 +140,7 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
             assert split[quantize][name].shape == logits.shape
             err = (split[quantize][name] - logits).abs().max().item()
             assert err < 1e-5, f"{quantize} {name}: {err}"
-    # integer compute quantises activations per row (each rank over its own slice of a row-split input): not
+    # int8 compute quantises activations per row (each rank over its own slice of a row-split input): not
     # the dequantised weights' logits, and on this tiny model far from them (0.18-0.56 of the largest logit in
     # one process), so the split is held to the same order of distance, not to one process's bits
     model = load_model(split_checkpoint, quantize="int8")
@@ -207,8 +207,8 @@ def test_a_vocabulary_no_rank_count_divides_splits(odd_vocab_checkpoint, tmp_pat
 
 
 def _compiled_and_eager(rank, folder, out):
-    from dgemma.engine import Engine
     from dgemma.compilation.steps import compile_model, is_compiled
+    from dgemma.engine import Engine
     from dgemma.parallel.group import join
     from dgemma.parallel.load import load_split_model
 

@@ -15,11 +15,20 @@ import dgemma
 from dgemma import devices
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
-from dgemma.weights.checkpoint import CheckpointError
 from dgemma.model.network import PreviousStep
-from dgemma.quant import formats, int8_compute, quantize as quant
-from dgemma.quant.quantize import QuantExperts, QuantLinear, dequantize_tensor, quantize_model, quantize_tensor, use_cpu_int4_kernel, weight_bytes
+from dgemma.quant import formats, int8_compute
+from dgemma.quant import quantize as quant
+from dgemma.quant.quantize import (
+    QuantExperts,
+    QuantLinear,
+    dequantize_tensor,
+    quantize_model,
+    quantize_tensor,
+    use_cpu_int4_kernel,
+    weight_bytes,
+)
 from dgemma.training.weights import meta_model
+from dgemma.weights.checkpoint import CheckpointError
 
 
 @pytest.mark.parametrize("fmt,tol", [("int8", 0.01), ("int4", 0.15)])
@@ -213,7 +222,7 @@ def test_quantised_experts_dequantise_once_per_layer_when_batched(monkeypatch):
     assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4)
 
 
-# -- integer compute (dgemma.quant.int8_compute) ----------------------------------------------------------
+# -- int8 compute (dgemma.quant.int8_compute) ----------------------------------------------------------
 @pytest.mark.parametrize("fmt,dtype", [("int8", torch.float32), ("int4", torch.float32), ("int4", torch.bfloat16)])
 @torch.no_grad()
 def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monkeypatch, fmt, dtype):

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from dgemma.config import ModelConfig
-from dgemma.weights.checkpoint import INDEX_FILE, checkpoint_key
 from dgemma.model.network import DiffusionGemma
+from dgemma.weights.checkpoint import INDEX_FILE, checkpoint_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 200 << 20

@@ -202,7 +202,6 @@ def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path)
     import argparse
 
     from dgemma.cli import main
-
     from dgemma.commands._common import add_sampling_arguments, step_cache_overrides
 
     p = argparse.ArgumentParser()

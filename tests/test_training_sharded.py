@@ -18,16 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_training import reversal_records, write_jsonl
+from test_training_resume import ROOT, subprocess_env
 
 import dgemma
 from dgemma.cli import main as cli_main
-from dgemma.weights.checkpoint import model_config
 from dgemma.training.memory import memory_plan
 from dgemma.training.model_setup import configure_trainable
 from dgemma.training.weights import materialise, meta_model
-
-from test_training import reversal_records, write_jsonl
-from test_training_resume import ROOT, subprocess_env
+from dgemma.weights.checkpoint import model_config
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 # odd sizes on purpose: 17 embedding rows and 3 experts do not split evenly over 2 processes

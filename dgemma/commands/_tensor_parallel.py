@@ -16,7 +16,6 @@ import sys
 
 from dgemma.commands._common import UsageError, agree  # noqa: F401  (agree: generate's and chat's name for it)
 
-
 MONITOR_S = 3.0
 
 
@@ -66,8 +65,8 @@ def _device(args) -> str:
 
 def check_before_launch(args, ranks: int):
     """The split's constraints, from config.json and the headers alone: one line and exit 2 on failure."""
-    from dgemma.weights.checkpoint import inspect_checkpoint
     from dgemma.parallel.plan import SplitError, check_split
+    from dgemma.weights.checkpoint import inspect_checkpoint
 
     device = _device(args)
     if args.model:
@@ -84,10 +83,10 @@ def check_before_launch(args, ranks: int):
 
 def _launch(ranks: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from dgemma.engine.lockstep import LOST_RANKS_EXIT
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from dgemma.engine.lockstep import LOST_RANKS_EXIT
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     # the launcher looks at its ranks every MONITOR_S: rank 0 notices a lost rank first (its next collective)

@@ -104,9 +104,9 @@ def run(args):
     import torch
 
     from dgemma.commands import bench_timing as timing
+    from dgemma.compilation.steps import compile_model, is_compiled
     from dgemma.generation.canvas import positions_needed
     from dgemma.quant import kernels
-    from dgemma.compilation.steps import compile_model, is_compiled
 
     batches = _batches(args)
     device, dtype = _resolve(args)
@@ -188,7 +188,7 @@ def run(args):
     print("what ran: " + "\n          ".join(_what_runs_lines(ran)))
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
     result["compile_mode"] = compile_mode(args, model) if compiling else None
-    result["cpu_int8_compute"] = model.integer_compute_on
+    result["cpu_int8_compute"] = model.int8_compute_on
     result["what_ran"] = ran
     result["startup"] = startup
     if tokens_check is not None:
@@ -206,7 +206,7 @@ def _what_runs(model, batch: int, load_before) -> dict:
     from dgemma.quant import kernels
 
     canvas_rows = batch * model.config.canvas_length
-    out = {"int8_compute": model.integer_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
+    out = {"int8_compute": model.int8_compute_on, "dtype": str(model.dtype).replace("torch.", ""),
            "quantize": getattr(model, "quantization", None),
            f"canvas step ({canvas_rows} rows)": kernels.kernels(model, canvas_rows),
            f"AR token ({batch} row{'s' if batch > 1 else ''})": kernels.kernels(model, batch),

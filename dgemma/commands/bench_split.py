@@ -32,8 +32,8 @@ def _load(args, device, dtype):
             return dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize)
         return random_model(dgemma.get_preset(args.config), device=device, dtype=dtype, quantize=args.quantize,
                             seed=args.seed)
-    from dgemma.parallel.modules import split_model
     from dgemma.parallel.load import load_split_model
+    from dgemma.parallel.modules import split_model
 
     if args.model:
         return load_split_model(args.model, tp, device=device, dtype=dtype, quantize=args.quantize)
@@ -44,13 +44,12 @@ def _load(args, device, dtype):
 def run_split(args, batches: list[int], device, dtype) -> int:
     import torch
 
-    from dgemma.engine import Engine
-    from dgemma.generation.canvas import positions_needed
-    from dgemma.parallel.plan import plan_bytes
-
     import dgemma
     import dgemma.parallel.load  # imported before measuring: code is not weights
     import dgemma.weights.random_weights
+    from dgemma.engine import Engine
+    from dgemma.generation.canvas import positions_needed
+    from dgemma.parallel.plan import plan_bytes
 
     with torch.device("meta"):  # torch's one-time set-up for meta-device models (~70 MB), not weights either
         dgemma.DiffusionGemma(dgemma.get_preset("tiny"))

@@ -34,7 +34,15 @@ def add_arguments(p):
 
 
 def run(args):
-    from dgemma.weights.convert import OUT_DTYPES, check_output, convert_gemma4, describe, parse_drop, parse_size, plan_conversion
+    from dgemma.weights.convert import (
+        OUT_DTYPES,
+        check_output,
+        convert_gemma4,
+        describe,
+        parse_drop,
+        parse_size,
+        plan_conversion,
+    )
 
     try:
         drop = parse_drop(args.drop)

@@ -12,10 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.commands import _tensor_parallel
-from dgemma.commands._common import (UsageError, add_model_arguments, add_prefix_cache_arguments,
-                                     add_step_cache_arguments, agree, compile_mode, load_from_args,
-                                     non_negative_float, positive_int, prefix_cache_bytes, step_cache_overrides,
-                                     wants_compile)
+from dgemma.commands._common import (
+    UsageError,
+    add_model_arguments,
+    add_prefix_cache_arguments,
+    add_step_cache_arguments,
+    agree,
+    compile_mode,
+    load_from_args,
+    non_negative_float,
+    positive_int,
+    prefix_cache_bytes,
+    step_cache_overrides,
+    wants_compile,
+)
 
 
 def add_arguments(p):
@@ -124,8 +134,8 @@ class ModelFromFlags:
 
 def _check_arguments(args):
     """What can be checked before any weight is read (and, with --replicas, before Ray starts)."""
-    from dgemma.weights.checkpoint import model_config
     from dgemma.tasks import read_task
+    from dgemma.weights.checkpoint import model_config
 
     folder = Path(args.model)
     if not folder.is_dir():
@@ -169,8 +179,8 @@ def ray_app(flags: dict):
     """Ray Serve's application builder, for Ray's own tools: `serve run dgemma.commands.serve:ray_app
     model=DIR replicas=2 quantize=int8` on a running cluster, or a `serve deploy` config whose `args` are
     these flags without their dashes. Ray's tools then own the HTTP address and the application's life."""
-    from dgemma.weights.hub import resolve_model
     from dgemma.serving import replicas
+    from dgemma.weights.hub import resolve_model
 
     parser = argparse.ArgumentParser(prog="ray_app", exit_on_error=False)
     add_arguments(parser)

@@ -16,9 +16,9 @@ from dgemma.commands._common import (
     apply_int8_compute,
     denoising_overrides,
     engine_shape,
-    refuse_step_cache_with_ar,
     maybe_compile,
     plot_file,
+    refuse_step_cache_with_ar,
 )
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
@@ -94,7 +94,7 @@ def run(args):
 # -- prepare ---------------------------------------------------------------------------------------
 def _prepare(args):
     from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_grid import random_transform
+    from dgemma.tasks.sudoku_symmetry import random_transform
 
     low_augment = args.augment if args.low_augment is None else args.low_augment
     counts = (args.augment, args.per_bucket, args.validation, args.low_train, low_augment, args.minimal or 0,

@@ -189,12 +189,9 @@ def should_compile(model, *, compile: bool = False, eager: bool = False, by_defa
     return Choice(False, "--compile to compile")
 
 
-# Compiled training pays back its compile only over enough steps. Measured on the sudoku recipe
-# (scripts/sudoku-model.json: 6 layers of width 128; batch 64 x 163 tokens; bf16 autocast) on a shared
-# 2-core AVX-512 BF16 CPU (benchmarks/README.md, "Training steps"): eager ~2.8 s a step, compiled ~2.1 s,
-# and compiling the blocks ~190 s with an empty cache (218 s for the first 10 steps): break-even ~280 steps.
-# With this shape's entry in the cache the compile is cheaper, but by how much was lost in the machine's
-# load (398 s for the first 10 steps at a load of 7, against 218 s cold at 2-3); taken as half.
+# Compiled training pays back its compile only over enough steps: the break-even measured on the sudoku
+# recipe (scripts/sudoku-model.json) with an empty compile cache and with this shape in it, on 2 CPU cores
+# (benchmarks/README.md, "Training steps", "Compiling where it pays"; the warm figure is an estimate there).
 TRAIN_BREAK_EVEN_STEPS = {"cold": 280, "warm": 140}
 # ... at this much work per step (tokens x width x layers): a compile costs about the same at any size (one
 # graph per kind of layer), while what it saves per step grows with the step's elementwise work.

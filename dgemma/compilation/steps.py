@@ -25,6 +25,7 @@ import torch
 from dgemma.compilation.policy import default_mode, mark_warm, unavailable_reason, use_disk_cache, warn_eager
 from dgemma.model.layers import FusedLinears
 
+
 class CompileState:
     """Shared by one model's compiled functions: once one fails to compile, all run eagerly."""
 

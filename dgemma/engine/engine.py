@@ -39,18 +39,18 @@ import time
 
 import torch
 
+from dgemma.compilation.steps import compiled_function
 from dgemma.config import SamplingConfig
+from dgemma.device_sync import host_read, to_device
 from dgemma.engine.request import Event, Request, ScoreRequest, Status
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import PrefillPace, Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
-from dgemma.device_sync import host_read, to_device
 from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
-from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
-from dgemma.compilation.steps import compiled_function
-from dgemma.model.packing import PackedPositions
 from dgemma.generation.denoising import CanvasDenoising
+from dgemma.generation.step_cache import packed_step
+from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.sampling import seed_or_random
 from dgemma.sampling.sampler import scan_logits
 
@@ -141,8 +141,8 @@ class Engine:
             raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
         check_search(request.max_rounds, 1)
         self._check_images(request)
-        if request.sampling.step_cache and (self.model.adapter_rows is not None or hasattr(self.model, "tp")):
-            raise ValueError("the step cache works with neither LoRA adapters nor a split model yet")
+        if request.sampling.step_cache and self.model.step_cache_refusal() is not None:
+            raise ValueError(self.model.step_cache_refusal())
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(
@@ -395,25 +395,22 @@ class Engine:
             for j, i in enumerate(whole):
                 out[i] = logits[j : j + 1]
                 batch[i].state.decoder_positions += self.canvas_length
+        counts = []
         if cached:
             states = [batch[i].state for i in cached]
-            actives = [st.denoising.step_cache.active(st.denoising.done) for st in states]
-            active, canvases = torch.cat(actives), torch.cat([st.denoising.canvas for st in states])
-            counts = host_read(active.sum(dim=1), "step cache: active positions")
-            computed = None
-            if sum(counts):
-                computed = self.runner.denoise_positions([st.row for st in states], canvases,
-                                                         [st.soft for st in states], active, counts)
+
+            def forward(active, row_counts):
                 self.forwards += 1
-            positions = active.nonzero(as_tuple=True)[1]  # (N,): the packed order, row after row
-            start = 0
-            for i, st, row_active, count in zip(cached, states, actives, counts):
-                part = computed[start : start + count] if count else None
-                pack = PackedPositions.of_row(positions[start : start + count])
-                out[i] = st.denoising.step_cache.take(part, pack, st.denoising.canvas, row_active)
-                start += count
+                return self.runner.denoise_positions([st.row for st in states], torch.cat(
+                    [st.denoising.canvas for st in states]), [st.soft for st in states], active, row_counts)
+
+            step_logits, counts = packed_step([st.denoising.step_cache for st in states],
+                                              [st.denoising.canvas for st in states],
+                                              [st.denoising.done for st in states], forward)
+            for i, st, logits, count in zip(cached, states, step_logits, counts):  # one row a request
+                out[i] = logits
                 st.decoder_positions += count
-        self.decoder_positions += len(whole) * self.canvas_length + (sum(counts) if cached else 0)
+        self.decoder_positions += len(whole) * self.canvas_length + sum(counts)
         return out
 
     def _commit(self, requests: list[Request]):

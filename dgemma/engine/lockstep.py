@@ -30,7 +30,6 @@ import torch.distributed as dist
 from dgemma.engine.engine import Engine
 from dgemma.engine.scheduler import QueueFull
 
-
 # The exit code of a rank 0 that lost the other ranks and has said which in its own line (the launcher then
 # adds none: dgemma/commands/_tensor_parallel.py)
 LOST_RANKS_EXIT = 3

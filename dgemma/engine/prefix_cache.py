@@ -46,7 +46,7 @@ class PrefixCacheStats:
 
 
 @dataclass
-class Block:
+class CachedBlock:
     key: bytes
     keys: list[torch.Tensor]  # per layer (Hkv, n, D)
     values: list[torch.Tensor | None]  # per layer (Hkv, n, D); None on full layers (K = V)
@@ -90,7 +90,7 @@ class PrefixCache:
         self.budget_bytes = int(budget_bytes)
         self.block_tokens = block_tokens
         self.root = hashlib.blake2b(model_key.encode(), digest_size=16).digest()
-        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self.blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats(budget_bytes=self.budget_bytes)
 
     def root_key(self, adapter: int | str | None) -> bytes:
@@ -98,7 +98,7 @@ class PrefixCache:
         weights)."""
         return self.root if adapter in (None, 0) else chain_key(self.root, [], f"adapter:{adapter}".encode())
 
-    def match(self, prompt: list[int], root: bytes, salts: dict[int, bytes], limit: int) -> list[Block]:
+    def match(self, prompt: list[int], root: bytes, salts: dict[int, bytes], limit: int) -> list[CachedBlock]:
         """The longest run of cached blocks that starts the prompt and ends at or before `limit` tokens;
         they become the most recently used. `salts[i]`: block i's image digests."""
         self.stats.lookups += 1
@@ -116,7 +116,7 @@ class PrefixCache:
             self.stats.cached_tokens += len(found) * B
         return found
 
-    def insert(self, block: Block):
+    def insert(self, block: CachedBlock):
         if block.key in self.blocks:
             self.blocks.move_to_end(block.key)
             return
@@ -169,7 +169,7 @@ class RowTrail:
         for a in range(0, whole, B):
             block_index = (start + a) // B
             self.key = chain_key(self.key, self.tokens[a : a + B], self.salts.get(block_index, b""))
-            cache.insert(Block(self.key, [k[:, a : a + B].to(dtype).clone() for k in keys],
+            cache.insert(CachedBlock(self.key, [k[:, a : a + B].to(dtype).clone() for k in keys],
                                [None if v is None else v[:, a : a + B].to(dtype).clone() for v in values],
                                hidden_all[a : a + B].clone()))
         rest = slice(whole, None)  # copied, so the chunk's tensors can go

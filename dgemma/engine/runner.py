@@ -207,13 +207,9 @@ class Runner:
                     logits = one.new_empty(len(rows), *one.shape[1:])
                 logits[i] = one[0]
             return logits
-        soft = None
-        if any(s is not None for s in softs):  # rows at their first step get an exact zero signal
-            zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
-            soft = torch.stack([zeros if s is None else s for s in softs])
         with self._adapters(rows):
-            previous = None if soft is None else PreviousStep(embedding=soft)
-            return self.model.denoise(canvases, self.cache, self_conditioning=previous, rows=rows)
+            return self.model.denoise(canvases, self.cache, self_conditioning=self._previous(softs, canvases.shape[1]),
+                                      rows=rows)
 
     @torch.no_grad()
     def denoise_positions(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None],
@@ -224,14 +220,17 @@ class Runner:
         if self.span_tokens and len(rows) > 1:
             return torch.cat([self.denoise_positions([row], canvases[i : i + 1], softs[i : i + 1], active[i : i + 1],
                                                      counts[i : i + 1]) for i, row in enumerate(rows) if counts[i]])
-        soft = None
-        if any(s is not None for s in softs):
-            zeros = torch.zeros(canvases.shape[1], self.hidden_size, dtype=self.model.dtype, device=self.device)
-            soft = torch.stack([zeros if s is None else s for s in softs])
         with self._adapters(rows):
-            previous = None if soft is None else PreviousStep(embedding=soft)
             return self.model.decode_active(canvases, self.cache, PackedPositions.from_mask(active, counts),
-                                            self_conditioning=previous, rows=rows)
+                                            self_conditioning=self._previous(softs, canvases.shape[1]), rows=rows)
+
+    def _previous(self, softs: list[torch.Tensor | None], length: int) -> PreviousStep | None:
+        """The rows' self-conditioning embeddings softs[i] (L, H) or None as one `PreviousStep` (n, L, H): rows at
+        their first step get an exact zero signal; None when every row is at its first step."""
+        if all(s is None for s in softs):
+            return None
+        zeros = torch.zeros(length, self.hidden_size, dtype=self.model.dtype, device=self.device)
+        return PreviousStep(embedding=torch.stack([zeros if s is None else s for s in softs]))
 
     @torch.no_grad()
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:

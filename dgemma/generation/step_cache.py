@@ -60,25 +60,26 @@ class StepCache:
 
     def logits_for(self, model, canvas: torch.Tensor, cache, done: torch.Tensor, *, self_conditioning=None,
                    rows=None) -> torch.Tensor:
-        """The step's logits (B, L, V) fp32 from `model.decode_active` over the active positions (one host read:
-        their counts), the rest as last computed. A new buffer, which the sampler may overwrite."""
-        active = self.active(done)
-        counts = host_read(active.sum(dim=1), "step cache: active positions")
-        pack = PackedPositions.from_mask(active, counts)
-        computed = None
-        if pack.total:
-            computed = model.decode_active(canvas, cache, pack, self_conditioning=self_conditioning, rows=rows)
-        return self.take(computed, pack, canvas, active)
+        """The step's logits (B, L, V) fp32 from `model.decode_active` over the active positions, the rest as last
+        computed (`packed_step`). A new buffer, which the sampler may overwrite."""
+        def forward(active, counts):
+            return model.decode_active(canvas, cache, PackedPositions.from_mask(active, counts),
+                                       self_conditioning=self_conditioning, rows=rows)
 
-    def take(self, computed: torch.Tensor | None, pack: PackedPositions, canvas: torch.Tensor,
-             active: torch.Tensor) -> torch.Tensor:
-        """After a forward over `pack` (this cache's rows' `active` positions, packed): computed (N, V) fp32 their
-        logits (None when N = 0) -> the step's logits (B, L, V), a new buffer the sampler may overwrite."""
+        return packed_step([self], [canvas], [done], forward)[0][0]
+
+    def record(self, computed: torch.Tensor | None, positions: torch.Tensor, counts: list[int],
+               canvas: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """After a forward over this cache's `active` (B, L) positions: computed (N, V) fp32 their logits, packed
+        row after row (None when N = 0), positions (N,) their canvas positions, counts each row's N -> the
+        step's logits (B, L, V), a new buffer the sampler may overwrite."""
         if computed is not None:
-            pack.scatter(computed, self.logits)
+            row_of = torch.repeat_interleave(torch.arange(len(counts), device=positions.device),
+                                             torch.tensor(counts, device=positions.device))
+            self.logits[row_of, positions] = computed
         self.computed_with = torch.where(active, canvas, self.computed_with)
         self.settled &= ~active
-        self.decoder_positions = [d + c for d, c in zip(self.decoder_positions, pack.counts)]
+        self.decoder_positions = [d + c for d, c in zip(self.decoder_positions, counts)]
         self.steps += 1
         return self.logits.clone()
 
@@ -97,3 +98,26 @@ class StepCache:
         # wakes, and one that would settle now waits until it has been computed with its token)
         stale = drawn & (next_canvas != self.computed_with)
         self.settled = (self.settled | settles) & ~stale
+
+
+def packed_step(caches: list[StepCache], canvases: list[torch.Tensor], dones: list[torch.Tensor], forward):
+    """One denoising step for several step caches' rows (the plain loop: one cache of B rows; the engine: one
+    cache per request) in ONE decoder forward over all their active positions, packed row after row.
+
+    canvases[i] (B_i, L) and dones[i] (B_i,) belong to caches[i]; forward(active (R, L) bool, counts) runs the
+    decoder over the active positions of all R rows, in that order, and returns their logits (N, V) fp32 (it
+    is not called when nothing is active). One host read: how many positions each row has. -> each cache's
+    step logits (B_i, L, V), and each row's count of positions run."""
+    actives = [cache.active(done) for cache, done in zip(caches, dones)]
+    active = torch.cat(actives)
+    counts = host_read(active.sum(dim=1), "step cache: active positions")
+    computed = forward(active, counts) if sum(counts) else None
+    positions = active.nonzero(as_tuple=True)[1]  # (N,): the packed order, row after row
+    out, row, start = [], 0, 0
+    for cache, canvas, cache_active in zip(caches, canvases, actives):
+        row_counts = counts[row : row + cache_active.shape[0]]
+        n = sum(row_counts)
+        part = computed[start : start + n] if computed is not None and n else None
+        out.append(cache.record(part, positions[start : start + n], row_counts, canvas, cache_active))
+        row, start = row + cache_active.shape[0], start + n
+    return out, counts

@@ -157,8 +157,15 @@ class KVCache:
     nothing back from the device (a tensor costs one host read per forward: `dgemma.device_sync`).
 
     Buffer layout per layer: (batch, kv heads, canvas slots + prefix slots, head dim); the canvas slots
-    (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `decoder_buffers`.
+    (`canvas_length` of them, none for keep_all caches) belong to the decoder, see `canvas_buffers`.
     Full layers keep only `keys` (the raw K = V projection); their `values` entry is None.
+
+    The canvas slots' invariant: slot j of a row holds canvas position j's keys/values from the last decoder
+    step that computed that position, for the canvas the row is denoising now. A whole step
+    (`place_in_canvas_slots`) writes all of them; the step cache's packed step (`place_active_in_slots`) writes
+    only its active positions, so a settled position's slots keep what it had when it was last computed. The
+    encoder never writes them and a new canvas's first step overwrites them all, so nothing of an earlier
+    canvas is read; the prefix slots are written by the encoder alone.
     """
 
     def __init__(
@@ -279,18 +286,18 @@ class KVCache:
         return (self.keys[layer][idx, :, c : c + n], None if values is None else values[idx, :, c : c + n],
                 self.slot_pos[sliding][idx, :n])
 
-    def decoder_keys(self, layer: int, sliding: bool, rows, k: torch.Tensor, v):
+    def place_before_prefix(self, layer: int, sliding: bool, rows, k: torch.Tensor, v):
         """The canvas's own entries k, v (n, Hkv, L, D; v None on full layers), then the rows' prefix
         slots -> new tensors over (n, Hkv, L + S, D), by concatenation.
 
         For a keep_all cache (training) and for forwards that need gradients through k, v; generation
-        writes the canvas into the cache's reserved slots instead (`decoder_buffers`). The prefix slots
+        writes the canvas into the cache's reserved slots instead (`canvas_buffers`). The prefix slots
         are never modified.
         """
         old_k, old_v, _ = self.view(layer, sliding, rows)
         return torch.cat([k, old_k], dim=2), None if v is None else torch.cat([v, old_v], dim=2)
 
-    def decoder_buffers(self, rows) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def canvas_buffers(self, rows) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per layer, the rows' (keys, values or None) over [canvas slots | prefix slots in use], each
         (n, Hkv, L + S, D), for `DiffusionGemma.decode_canvas` to write the canvas into. Views of the
         cache when the rows are consecutive; for other rows a copy (the prefix is only read)."""
@@ -302,7 +309,7 @@ class KVCache:
             buffers.append((self.keys[i][idx, :, :end], None if values is None else values[idx, :, :end]))
         return buffers
 
-    def place_canvas_entries(self, layer: int, rows, pack, k: torch.Tensor, v: torch.Tensor | None):
+    def place_active_in_slots(self, layer: int, rows, pack, k: torch.Tensor, v: torch.Tensor | None):
         """The step cache's decoder (`DiffusionGemma.decode_active`): write the packed active positions' entries
         k, v (1, Hkv, N, D; v None on full layers) into their rows' canvas slots (slot = canvas position), where
         they stay until the position is computed again; -> this layer's (keys, values or None) over

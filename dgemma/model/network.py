@@ -11,6 +11,7 @@ Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V voca
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,16 +23,15 @@ import torch.nn.functional as F
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.device_sync import host_read
-from dgemma.model.attention import KVCache, apply_rope, attention, canvas_mask, causal_mask, image_blocks, rope_inv_freq, rope_tables
-from dgemma.model.layers import FusedLinears, fused_inside_graphs
-from dgemma.model.experts import Experts
+from dgemma.model.attention import KVCache, canvas_mask, causal_mask, image_blocks, rope_inv_freq, rope_tables
+from dgemma.model.block import Block, place_after_prefix, place_in_canvas_slots
 from dgemma.model.layers import GatedMLP, RMSNorm
 from dgemma.model.packing import PackedPositions
 from dgemma.model.vision import VisionEmbedder, VisionTower
 
 if TYPE_CHECKING:
-    from dgemma.model.adapters import AdapterRows
     from dgemma.compilation.steps import CompiledSteps
+    from dgemma.model.adapters import AdapterRows
     from dgemma.quant.int8_compute import Int8Table
 
 
@@ -63,156 +63,6 @@ def device_vocab_chunk_rows(rows: int, vocab: int, device: torch.device, element
     """`vocab_chunk_rows` for a tensor's device (asks CUDA for its free memory)."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return vocab_chunk_rows(rows, vocab, device.type, free, element_bytes)
-
-
-class Attention(nn.Module):
-    """GQA with q/k RMSNorm, scale-free v norm and scaling 1.0. Full layers have no v_proj (K = V)."""
-
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        self.sliding = config.is_sliding(layer)
-        self.window = config.sliding_window if self.sliding else None
-        self.head_dim = config.layer_head_dim(layer)
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.layer_kv_heads(layer)
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False) if self.sliding else None
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
-        self.fused_qkv: FusedLinears | None = None  # q|k(|v) as one matmul in compiled graphs, see FusedLinears
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (B, T, H) -> q (B, Hq, T, D) and the tokens' cache entries (k, v), each (B, Hkv, T, D).
-
-        Sliding layers: finished keys and values. Full layers (K = V): the raw projection, and v None;
-        `keys_values` turns entries into keys and values when attending.
-        """
-        B, T, _ = x.shape
-        if fused_inside_graphs(self.fused_qkv):
-            q, k_raw, *v = self.fused_qkv(x)
-        else:
-            q, k_raw, v = self.q_proj(x), self.k_proj(x), [self.v_proj(x)] if self.v_proj is not None else []
-        q = apply_rope(self.q_norm(q.view(B, T, self.num_heads, self.head_dim)), cos, sin)
-        k_raw = k_raw.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.v_proj is None:
-            return q.transpose(1, 2), k_raw.transpose(1, 2), None
-        k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v[0].view(B, T, self.num_kv_heads, self.head_dim))
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor | None, key_rope):
-        """Cache entries over S keys -> keys, values (B, Hkv, S, D). key_rope: cos, sin (B, S, 1, D) of
-        the keys' positions, used on full layers only (raw K = V entries get k_norm + RoPE and v_norm)."""
-        if v is not None:
-            return k, v
-        cos, sin = (t.transpose(1, 2) for t in key_rope)  # (B, 1, S, D) for the (B, Hkv, S, D) layout
-        return apply_rope(self.k_norm(k), cos, sin), self.v_norm(k)
-
-    def attend(self, q, k, v, mask: torch.Tensor | None, pack: PackedPositions | None = None) -> torch.Tensor:
-        """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H).
-
-        With `pack` (the step cache's packed positions): q (1, Hq, N, D) holds the N packed queries of n rows,
-        k/v (n, Hkv, S, D) and mask (n, 1, L, S) (a canvas mask: its query rows are all alike) are per row;
-        each bucket of rows with similar active counts attends together (`PackedPositions`) -> (1, N, H)."""
-        if pack is None:
-            out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
-            B, _, T, _ = q.shape
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-        out = q.new_empty(self.num_heads, q.shape[2], v.shape[-1])  # (Hq, N, D)
-        every_row = k.shape[0]
-        for size, members, tokens in pack.buckets:
-            whole = members.shape[0] == every_row  # every row is in this bucket: members are 0 .. n-1
-            qg = q[0][:, tokens].transpose(0, 1)  # (g, Hq, A, D)
-            kg, vg = (k, v) if whole else (k[members], v[members])
-            mg = None if mask is None else (mask if whole else mask[members])[:, :, :size]
-            out[:, tokens] = attention(qg, kg, vg, mg).transpose(0, 1)
-        return self.o_proj(out.transpose(0, 1).reshape(1, q.shape[2], self.num_heads * self.head_dim))
-
-
-class Router(nn.Module):
-    """Top-k routing on the raw residual: scale-free RMSNorm * scale * H^-1/2 -> softmax (fp32) -> top-k,
-    renormalised, times a learned per-expert scale."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.top_k = config.top_k_experts
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
-        self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.scale = nn.Parameter(torch.ones(config.hidden_size))
-        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
-        self.root_size = config.hidden_size**-0.5
-
-    def forward(self, x: torch.Tensor):
-        """x (N, H) -> weights (N, k), expert ids (N, k)."""
-        scores = self.proj(self.norm(x) * self.scale * self.root_size)
-        probs = scores.softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
-
-
-class Block(nn.Module):
-    """attention, then a dense MLP in parallel with routed experts; each with its own norms."""
-
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config, layer)
-        self.mlp = GatedMLP(h, config.intermediate_size)
-        self.router = Router(config)
-        self.experts = Experts(config)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.post_feedforward_layernorm = RMSNorm(h, eps)
-        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
-        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
-        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
-        # The block's output scale. The checkpoint stores it twice, once per stack, and transformers ties
-        # every weight of the two stacks but not these buffers: each stack scales by its own copy.
-        self.register_buffer("layer_scalar", torch.ones(1))  # decoder
-        self.register_buffer("encoder_layer_scalar", torch.ones(1))
-
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, H) residual stream -> (B, T, H) residual stream, before the layer scalar."""
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
-        flat = x.reshape(-1, x.shape[-1])
-        weights, experts = self.router(flat)  # routed on the raw residual, not the normed input
-        routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).view_as(x)
-        routed = self.post_feedforward_layernorm_2(routed)
-        return x + self.post_feedforward_layernorm(dense + routed)
-
-    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool, pack: PackedPositions | None = None):
-        """rope: cos, sin (B, T, 1, D) of the new tokens; key_rope: the same for every key (full layers).
-        `place_entries(k, v)` puts this block's own cache entries among the cached ones (the encoder:
-        after the prefix; the decoder: the canvas before it) in the order `mask` and `key_rope` expect.
-        `pack`: x (1, N, H) holds packed canvas positions of several rows (`DiffusionGemma.decode_active`).
-        Returns the new residual and this block's own entries k, v (v None on full layers)."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x), *rope)
-        keys, values = self.self_attn.keys_values(*place_entries(k, v), key_rope)
-        attended = self.self_attn.attend(q, keys, values, mask) if pack is None else self.self_attn.attend(
-            q, keys, values, mask, pack=pack)
-        x = x + self.post_attention_layernorm(attended)
-        scalar = self.encoder_layer_scalar if encoder else self.layer_scalar
-        return self.feed_forward(x) * scalar, k, v
-
-
-def _after_prefix(old_k: torch.Tensor, old_v: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None):
-    """New tokens' entries k, v (B, Hkv, T, D) after their layer's cached ones -> (B, Hkv, S + T, D)."""
-    return torch.cat([old_k, k], dim=2), None if v is None else torch.cat([old_v, v], dim=2)
-
-
-def _fill_canvas(keys: torch.Tensor, values: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None):
-    """Write the canvas's entries k, v (B, Hkv, L, D) into the first L slots of its layer's buffers."""
-    L = k.shape[2]
-    keys[:, :, :L] = k
-    if values is not None:
-        values[:, :, :L] = v
-    return keys, values
 
 
 class SelfConditioning(GatedMLP):
@@ -265,9 +115,9 @@ class DiffusionGemma(nn.Module):
         self.source_dir: str | Path | None = None
         self.load_report: dict[str, str] | None = None
         self.quantization: str | None = None  # "int8" / "int4" once swapped by dgemma.quant.quantize
-        # integer compute (dgemma.quant.int8_compute.enable): whether it is on, and the tied table's int8 codes
+        # int8 compute (dgemma.quant.int8_compute.enable): whether it is on, and the tied table's int8 codes
         # (LM head, soft embedding) when the table is large enough to repay them
-        self.integer_compute_on = False
+        self.int8_compute_on = False
         self.int8_table: Int8Table | None = None
         # served LoRA adapters (dgemma.model.adapters.install_adapters): the adapter of each row of a forward
         self.adapter_rows: AdapterRows | None = None
@@ -314,6 +164,13 @@ class DiffusionGemma(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def step_cache_refusal(self) -> str | None:
+        """Why this model cannot run the step cache's packed step (`decode_active`), or None: the one rule the
+        engine, the server and the commands ask."""
+        if self.adapter_rows is not None:
+            return "the step cache does not work with LoRA adapters yet"
+        return None
 
     def new_cache(self, batch_size: int, max_length: int, *, keep_all: bool = False, device=None, dtype=None):
         if max_length > self.config.max_position_embeddings:
@@ -466,7 +323,7 @@ class DiffusionGemma(nn.Module):
         entries = []
         for block, (old_k, old_v) in zip(self.layers, prefixes):
             s = block.self_attn.sliding
-            x, k, v = block(x, rope[s], key_rope[s], masks[s], partial(_after_prefix, old_k, old_v),
+            x, k, v = block(x, rope[s], key_rope[s], masks[s], partial(place_after_prefix, old_k, old_v),
                             encoder=True)
             entries.append((k, v))
         return x, entries
@@ -479,6 +336,21 @@ class DiffusionGemma(nn.Module):
             return self.int8_table.soft_embedding(probs, self.dtype) * self.embed_scale()
         return (probs.to(self.dtype) @ self.embed_tokens.weight) * self.embed_scale()
 
+    def self_conditioning_signal(self, previous: PreviousStep | None, pack: PackedPositions | None = None):
+        """What the self-conditioning block adds to the canvas's embeddings: the previous step's expected
+        embedding (B, L, H), zero on the rows its mask leaves out; None at a canvas's first step (an exactly
+        zero signal). With `pack`, only the packed positions: (1, N, H)."""
+        if previous is None:
+            return None
+        if pack is None:
+            soft = previous.embedding if previous.probs is None else self.soft_embedding_from_probs(previous.probs)
+            row_mask = None if previous.mask is None else previous.mask[:, None, None]  # (B, 1, 1)
+        else:
+            soft = (pack.gather(previous.embedding) if previous.probs is None
+                    else self.soft_embedding_from_probs(pack.gather(previous.probs)))[None]
+            row_mask = None if previous.mask is None else previous.mask[pack.row_of][None, :, None]  # (1, N, 1)
+        return soft if row_mask is None else soft * row_mask.to(soft.dtype)
+
     def denoise(
         self,
         canvas_ids: torch.Tensor,
@@ -488,10 +360,20 @@ class DiffusionGemma(nn.Module):
         prefix_length: torch.Tensor | None = None,
         rows: list[int] | torch.Tensor | None = None,
         return_hidden: bool = False,
+        self_conditioning_logits: torch.Tensor | None = None,
     ):
         """canvas_ids (B, L) -> logits (B, L, V) fp32, soft-capped. The cache is not modified.
         `self_conditioning`: the previous step's prediction on this canvas (`PreviousStep`); None at its first
-        step, which is an exactly zero signal."""
+        step, which is an exactly zero signal. `self_conditioning_logits` (B, L, V), the previous step's
+        temperature-scaled logits, is the keyword of dgemma 0.1 (and transformers'): deprecated, it stands for
+        `self_conditioning=PreviousStep.from_logits(logits)` and goes in dgemma 0.3."""
+        if self_conditioning_logits is not None:
+            if self_conditioning is not None:
+                raise TypeError("denoise takes self_conditioning or self_conditioning_logits, not both")
+            warnings.warn("denoise(self_conditioning_logits=logits) is deprecated: pass "
+                          "self_conditioning=dgemma.PreviousStep.from_logits(logits); the old keyword goes in dgemma 0.3",
+                          DeprecationWarning, stacklevel=2)
+            self_conditioning = PreviousStep.from_logits(self_conditioning_logits)
         B, L = canvas_ids.shape
         if prefix_length is None:  # generation: the same tables for every step of a canvas
             rope, key_rope, masks = cache.tables_for_positions(
@@ -499,12 +381,7 @@ class DiffusionGemma(nn.Module):
         else:
             rope, key_rope, masks = self._canvas_tables(cache, prefix_length, L, rows)
 
-        soft = None  # (B, L, H)
-        if self_conditioning is not None:
-            previous = self_conditioning
-            soft = previous.embedding if previous.probs is None else self.soft_embedding_from_probs(previous.probs)
-            if previous.mask is not None:
-                soft = soft * previous.mask.to(soft.dtype)[:, None, None]
+        soft = self.self_conditioning_signal(self_conditioning)  # (B, L, H) or None
         if cache.canvas_slots == L and not torch.is_grad_enabled():
             # generation: the canvas goes into the cache's reserved slots, through the compiled step once
             # there is one. A zero signal gives exactly what no signal gives (the MLP of zero is zero), and
@@ -512,12 +389,12 @@ class DiffusionGemma(nn.Module):
             if soft is None:
                 soft = torch.zeros(B, L, self.config.hidden_size, dtype=self.dtype, device=self.device)
             decode = self.decode_canvas if self.compiled is None else self.compiled.decode_canvas
-            return decode(canvas_ids, soft, cache.decoder_buffers(rows), rope, key_rope, masks, return_hidden)
+            return decode(canvas_ids, soft, cache.canvas_buffers(rows), rope, key_rope, masks, return_hidden)
         # training (keep_all cache) or gradients: the canvas's entries concatenated before the prefix
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(cache.decoder_keys, i, s, rows),
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(cache.place_before_prefix, i, s, rows),
                             encoder=False)
         return x if return_hidden else self.head(x)
 
@@ -531,7 +408,7 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas_ids), soft)  # (B, L, H)
         for block, (keys, values) in zip(self.layers, buffers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(_fill_canvas, keys, values), encoder=False)
+            x, _, _ = block(x, rope[s], key_rope[s], masks[s], partial(place_in_canvas_slots, keys, values), encoder=False)
         return x if return_hidden else self.head(x)
 
     def decode_active(self, canvas_ids: torch.Tensor, cache: KVCache, pack: PackedPositions, *,
@@ -541,31 +418,25 @@ class DiffusionGemma(nn.Module):
 
         Each active position attends to its row's [canvas slots | cached prefix]: the canvas slots hold every
         position's keys/values from the last step that computed it, and this step's active positions write
-        theirs there first (`KVCache.place_canvas_entries`), so settled positions are seen as they were when
+        theirs there first (`KVCache.place_active_in_slots`), so settled positions are seen as they were when
         they were last computed. With every position active this is `denoise` (the same numbers, up to the
-        order of float sums). Eager only (a compiled model runs this eagerly); not with LoRA adapters per row.
+        order of float sums). Eager only (a compiled model runs this eagerly); not on every model
+        (`step_cache_refusal`).
         """
-        if self.adapter_rows is not None and self.adapter_rows.ids is not None:
-            raise ValueError("the step cache does not work with LoRA adapters yet: turn one of them off")
+        refusal = self.step_cache_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         n, L = canvas_ids.shape
         if cache.canvas_slots != L:
             raise ValueError("decode_active needs a generation cache (one with canvas slots)")
         rope, key_rope, masks = cache.tables_for_positions(
             ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows, True))
         packed_rope = {s: tuple(t[pack.row_of, pack.index][None] for t in rope[s]) for s in rope}  # (1, N, 1, D)
-        soft = None  # (1, N, H)
-        if self_conditioning is not None:
-            previous = self_conditioning
-            if previous.probs is None:
-                soft = pack.gather(previous.embedding)[None]
-            else:
-                soft = self.soft_embedding_from_probs(pack.gather(previous.probs)[None])
-            if previous.mask is not None:
-                soft = soft * previous.mask.to(soft.dtype)[pack.row_of][None, :, None]
+        soft = self.self_conditioning_signal(self_conditioning, pack)  # (1, N, H) or None
         x = self.self_conditioning(self.embed(pack.gather(canvas_ids)[None]), soft)  # (1, N, H)
         for i, block in enumerate(self.layers):
             s = block.self_attn.sliding
-            x, _, _ = block(x, packed_rope[s], key_rope[s], masks[s], partial(cache.place_canvas_entries, i, rows, pack),
+            x, _, _ = block(x, packed_rope[s], key_rope[s], masks[s], partial(cache.place_active_in_slots, i, rows, pack),
                             encoder=False, pack=pack)
         return x[0] if return_hidden else self.head(x[0])
 

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
-
 # How long a collective may wait for the other ranks before this one gives up (a dead or hung rank). The
 # engine's ranks meet at least every few seconds even when idle (dgemma.engine.lockstep), so this bounds
 # how long a failure goes unnoticed.

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import torch
 
-from dgemma.weights.checkpoint import CheckpointError, open_checkpoint, read_weights
 from dgemma.model.network import DiffusionGemma
 from dgemma.parallel.group import TensorParallel
-from dgemma.parallel.plan import check_split, parameter_slices, stored_slice
 from dgemma.parallel.modules import split_model
+from dgemma.parallel.plan import check_split, parameter_slices, stored_slice
 from dgemma.quant.quantize import swap_modules, use_cpu_int4_kernel
+from dgemma.weights.checkpoint import CheckpointError, open_checkpoint, read_weights
 
 
 def load_split_model(path, tp: TensorParallel, device="cpu", dtype: torch.dtype = torch.float32, *,
                      quantize: str | None = None, cpu_int4_kernel: bool = True) -> DiffusionGemma:
-    """This rank's part of the model in a checkpoint folder (arguments as `dgemma.model.load_model`)."""
+    """This rank's part of the model in a checkpoint folder (arguments as `dgemma.load_model`)."""
     path = Path(path)
     full, plan, stored = open_checkpoint(path, dtype)  # the whole model on the meta device: headers only
     saved_as = full.quantization

@@ -43,8 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma.config import ModelConfig
+from dgemma.model.block import Attention, Block
 from dgemma.model.experts import Experts
-from dgemma.model.network import Attention, Block, DiffusionGemma
+from dgemma.model.network import DiffusionGemma
 from dgemma.parallel.group import TensorParallel
 from dgemma.parallel.plan import check_split, local_config, mlp_slice, vocab_rows
 
@@ -154,6 +155,9 @@ class SplitDiffusionGemma(DiffusionGemma):
     @property
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
+
+    def step_cache_refusal(self) -> str | None:
+        return "the step cache does not work with a split model yet"
 
 
 def _linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:

@@ -11,7 +11,7 @@ import torch
 
 from dgemma.config import ModelConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.quant.quantize import GROUP_SIZE
+from dgemma.quant.quantize import GROUP_SIZE, group_size
 
 
 class SplitError(ValueError):
@@ -52,14 +52,9 @@ def kv_slice(kv_heads: int, ranks: int, rank: int, head_dim: int) -> Slice:
 def mlp_slice(intermediate: int, ranks: int, rank: int, quantization: str | None) -> tuple[int, int]:
     """This rank's columns [start, stop) of the dense MLP: as even as whole quantisation groups allow (the
     26B's 2112 over 4 ranks in int4: 544, 544, 512, 512), so down_proj's row split falls on group bounds."""
-    unit = quant_group(intermediate, quantization) if quantization else 1
+    unit = group_size(intermediate, quantization) if quantization else 1
     units = intermediate // unit
     return rank * units // ranks * unit, (rank + 1) * units // ranks * unit
-
-
-def quant_group(in_features: int, fmt: str) -> int:
-    """The input-dim group of dgemma's int8/int4 layout for a weight `in_features` wide (quant.py)."""
-    return GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
 
 
 def check_split(config: ModelConfig, ranks: int, quantization: str | None = None, device: str = "cpu"):
@@ -88,11 +83,11 @@ def check_split(config: ModelConfig, ranks: int, quantization: str | None = None
     if any(not c.is_sliding(i) for i in range(c.num_layers)):
         widths[c.num_heads * c.global_head_dim] = "o_proj (full layers)"
     for width, name in widths.items() if quantization else ():
-        group = quant_group(width, quantization)
+        group = group_size(width, quantization)
         if (width // ranks) % group:
             raise SplitError(f"{quantization} weights of {name} ({width} inputs in groups of {group}) cannot split "
                              f"into {ranks} slices on group bounds; use another --tensor-parallel")
-    group = quant_group(c.intermediate_size, quantization) if quantization else 1
+    group = group_size(c.intermediate_size, quantization) if quantization else 1
     if c.intermediate_size // group < ranks:
         how = f" in {quantization} groups of {group}" if quantization else ""
         raise SplitError(f"the dense MLP's {c.intermediate_size} columns{how} cannot split over {ranks} ranks")

@@ -13,6 +13,17 @@ FORMATS = ("int8", "int4")
 GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
 
 
+def group_size(in_features: int, fmt: str) -> int:
+    """The input-dim group of one scale for a weight `in_features` wide: GROUP_SIZE[fmt] where it divides the
+    width, else the whole row (one group per row for odd widths)."""
+    return GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
+
+
+def fits_int4_kernel(in_features: int) -> bool:
+    """Whether torch's CPU int4 matmul takes a weight `in_features` wide: whole groups of GROUP_SIZE["int4"]."""
+    return in_features % GROUP_SIZE["int4"] == 0
+
+
 # Quantising works through this many weights at a time, so its fp32 temporaries stay a few tens of MB
 # whatever the tensor (a 26B expert tensor is 0.5G weights: whole, the clip search would need ~10 GB).
 QUANT_CHUNK_ELEMENTS = 1 << 22
@@ -20,30 +31,29 @@ QUANT_CHUNK_ELEMENTS = 1 << 22
 dequantize_calls = 0  # dequantize_tensor calls outside compiled graphs (tests count them per step)
 
 
-def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int | None = None):
+def quantize_tensor(w: torch.Tensor, fmt: str, group: int | None = None):
     """w (..., out, in) -> (q, scales). int8: q int8 (..., out, in); int4: q uint8 (..., out, in/2), two
     nibbles per byte. scales (..., out, in/group) fp16 with w ≈ q * scale per group (2 bytes a group:
-    int4 costs 0.5625 bytes a weight with groups of 32). Rows are quantised a chunk at a time."""
+    int4 costs 0.5625 bytes a weight with groups of 32). Rows are quantised a chunk at a time. `group`:
+    another group size than the format's (`openvino.regroup`), a divisor of the width."""
     *lead, out_f, in_f = w.shape
-    group_size = group_size or GROUP_SIZE[fmt]
-    if in_f % group_size:
-        group_size = in_f  # fall back to one group per row for odd widths
+    group = group or group_size(in_f, fmt)
     rows = w.reshape(-1, in_f)
     q = torch.empty(rows.shape[0], in_f // 2 if fmt == "int4" else in_f,
                     dtype=torch.uint8 if fmt == "int4" else torch.int8, device=w.device)
-    scales = torch.empty(rows.shape[0], in_f // group_size, dtype=torch.float16, device=w.device)
+    scales = torch.empty(rows.shape[0], in_f // group, dtype=torch.float16, device=w.device)
     step = max(1, QUANT_CHUNK_ELEMENTS // in_f)
     for a in range(0, rows.shape[0], step):
-        q[a : a + step], scales[a : a + step] = _quantize_rows(rows[a : a + step], fmt, group_size)
+        q[a : a + step], scales[a : a + step] = _quantize_rows(rows[a : a + step], fmt, group)
     return q.view(*lead, out_f, q.shape[-1]), scales.view(*lead, out_f, scales.shape[-1])
 
 
-def _quantize_rows(w: torch.Tensor, fmt: str, group_size: int):
+def _quantize_rows(w: torch.Tensor, fmt: str, group: int):
     """w (n, in) -> q (n, in or in/2), scales (n, in/group) fp16."""
     n, in_f = w.shape
     qmax = 127 if fmt == "int8" else 7
     qmin = -qmax - 1 if fmt == "int4" else -qmax
-    groups = w.float().reshape(n, in_f // group_size, group_size)
+    groups = w.float().reshape(n, in_f // group, group)
     absmax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
     # int4 has 16 levels: clipping the largest weights a little lowers the error of all the others.
     # Per group, keep the clip ratio with the least squared error (int8 has enough levels not to need it).
@@ -92,7 +102,7 @@ def random_quantized(shape: tuple[int, ...], fmt: str, std: float, generator: to
     copy): codes uniform over the format's levels, every scale std / (the levels' standard deviation),
     so the dequantised weights have standard deviation ~std. For benchmarks of the full-size model."""
     *lead, out_f, in_f = shape
-    group = GROUP_SIZE[fmt] if in_f % GROUP_SIZE[fmt] == 0 else in_f
+    group = group_size(in_f, fmt)
     packed = (*lead, out_f, in_f // 2 if fmt == "int4" else in_f)
     n = math.prod(packed)
     # random bytes, 8 at a time (3x faster than drawing bytes: 13 GB of int4 codes take ~1.5 min on 2 cores)

@@ -1,4 +1,4 @@
-"""Integer compute for quantised models on a CPU: int8 activations x int8 weights, int32 accumulation.
+"""Int8 compute for quantised models on a CPU: int8 activations x int8 weights, int32 accumulation.
 
 A canvas step multiplies 256 rows by every weight, so it is bound by arithmetic, and a CPU with VNNI does
 int8 dot products several times faster than bf16 or fp32 ones (2 cores, a 256 x 2816 x 2112 product:
@@ -51,7 +51,7 @@ TABLE_INT8_ON_AMX = False  # on CPUs with AMX-BF16 the table stays bf16 (`table_
 
 
 def resolve(mode: str, model: nn.Module) -> bool:
-    """Whether integer compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
+    """Whether int8 compute runs for `mode` (auto / on / off) and this model: quantised, on a CPU, and
     (auto) a CPU with int8 dot products. `on` elsewhere is an error: it is the flag that forces the path."""
     if mode not in MODES:
         raise ValueError(f"cpu int8 compute is one of {', '.join(MODES)}, not {mode!r}")
@@ -204,7 +204,7 @@ class Int8Table:
 # -- switching a model over -------------------------------------------------------------------------------
 @torch.no_grad()
 def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
-    """Prepare a quantised CPU model for integer compute (see the module docstring) when `resolve` says so.
+    """Prepare a quantised CPU model for int8 compute (see the module docstring) when `resolve` says so.
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
     `library`: where the int4 weights' kernels come from (`dgemma.quant.openvino`): "torch"; "openvino" (every
     int4 weight it can take, an error where it is not installed); or "auto": OpenVINO for the parts where it
@@ -219,7 +219,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
             raise ValueError(f"DGEMMA_CPU_KERNELS is one of {', '.join(LIBRARIES)}, not {library!r}")
     if not resolve(mode, model):
         return False
-    if model.integer_compute_on:
+    if model.int8_compute_on:
         return True
     if library != "torch":
         from dgemma.quant import openvino
@@ -235,7 +235,7 @@ def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
     model.int8_table = Int8Table(model.embed_tokens.weight) if table_in_int8(model) else None
-    model.integer_compute_on = True
+    model.int8_compute_on = True
     return True
 
 

@@ -1,4 +1,4 @@
-"""Which kernel multiplies each part of a model, and on what machine: what integer compute's start line says
+"""Which kernel multiplies each part of a model, and on what machine: what int8 compute's start line says
 (`start_line`) and `dgemma bench` prints and records beside its figures, so that a tokens/s figure says what ran.
 
 The parts: the routed experts, the attention projections (q/k/v/o), the dense MLPs (gate, up, down), the LM

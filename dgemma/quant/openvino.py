@@ -1,10 +1,10 @@
-"""int4 weights on OpenVINO's CPU kernels (`pip install 'dgemma[cpu-kernels]'`), holding the only copy.
+"""int4 weights on OpenVINO's CPU kernels (a default dependency on x86-64 Linux, `dgemma[cpu-kernels]` elsewhere), holding the only copy.
 
 Measured at the 26B-A4B's shapes (`benchmarks/cpu_kernels.py`, benchmarks/README.md), OpenVINO's int4 fully
 connected layer (FullyConnectedCompressed) is several times torch's int4 kernel at a canvas's rows: an
 expert's ~16 rows, the 256 rows of an attention projection or a dense MLP; torch's kernel is the faster at
-one row. So where it is installed, integer compute on a CPU (`dgemma.quant.int8_compute.enable`) hands
-the int4 weights to it, part by part (`parts`), as compiled graphs:
+one row. So where it is installed, int8 compute on a CPU (`dgemma.quant.int8_compute.enable`) hands
+the int4 weights to it, part by part (`takes`), as compiled graphs:
 
   routed experts (`LibraryExperts`), one graph per layer:
     x (R, H): the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
@@ -359,7 +359,7 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
             module.library = LibraryExperts(module, threads, group)
         else:
             module.library = LibraryLinear(module, threads)
-        module.int8 = None  # integer compute's per-weight state read the released codes
+        module.int8 = None  # int8 compute's per-weight state read the released codes
         counts[part] += 1
     return {part: n for part, n in counts.items() if n} | {"left": len(chosen) - len(taken), "group": group}
 

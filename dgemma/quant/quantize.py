@@ -24,16 +24,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma import devices
+from dgemma.model.experts import Experts
+from dgemma.model.layers import gated_gelu
 from dgemma.quant import int8_compute, openvino
 from dgemma.quant.formats import (  # noqa: F401  (the formats' names, read from here by most callers)
     FORMATS,
     GROUP_SIZE,
     dequantize_tensor,
+    fits_int4_kernel,
+    group_size,
     quantize_tensor,
     random_quantized,
 )
-from dgemma.model.experts import Experts
-from dgemma.model.layers import gated_gelu
 
 # Dequantising a whole stack of experts goes through fp32 this many weights at a time.
 DEQUANT_CHUNK_ELEMENTS = 1 << 26
@@ -46,7 +48,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.fmt, self.compute_dtype = in_features, out_features, fmt, dtype
         packed_in = in_features // 2 if fmt == "int4" else in_features
-        group = GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
+        group = group_size(in_features, fmt)
         self.register_buffer("qweight", torch.empty(out_features, packed_in, dtype=torch.uint8 if fmt == "int4" else torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, in_features // group, dtype=torch.float16,
                                                    device=device))
@@ -56,7 +58,7 @@ class QuantLinear(nn.Module):
         self.qweight, self.scales = quantize_tensor(weight, self.fmt)
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
-    int8 = None  # what integer compute needs once `int8_compute.enable` ran: channel scales or an Int4Widener
+    int8 = None  # what int8 compute needs once `int8_compute.enable` ran: channel scales or an Int4Widener
     library = None  # an `openvino.LibraryLinear` once `int8_compute.enable` gave the weights to it
     weights_in_library = False  # True once the library holds the only copy (the buffers are meta tensors)
 
@@ -106,7 +108,7 @@ class QuantExperts(Experts):
         self.num_experts = E
         for name, (out_f, in_f) in (("gate_up_proj", (two_i, h)), ("down_proj", (h, two_i // 2))):
             packed = in_f // 2 if fmt == "int4" else in_f
-            group = GROUP_SIZE[fmt] if in_f % GROUP_SIZE[fmt] == 0 else in_f
+            group = group_size(in_f, fmt)
             qdtype = torch.uint8 if fmt == "int4" else torch.int8
             self.register_buffer(f"{name}_q", torch.empty(E, out_f, packed, dtype=qdtype, device=base.gate_up_proj.device))
             self.register_buffer(f"{name}_scales", torch.empty(E, out_f, in_f // group, dtype=torch.float16,
@@ -251,11 +253,11 @@ def use_cpu_int4_kernel(model: nn.Module) -> bool:
     for module in model.modules():
         if module.__dict__.get("weights_in_library"):
             continue  # its only copy is the library's
-        if isinstance(module, QuantLinear) and not module.kernel_layout and module.in_features % GROUP_SIZE["int4"] == 0:
+        if isinstance(module, QuantLinear) and not module.kernel_layout and fits_int4_kernel(module.in_features):
             module.qweight, module.scales = _to_kernel_layout(module.qweight, module.scales, module.compute_dtype)
             module.kernel_layout = True
         elif isinstance(module, QuantExperts) and not module.kernel_layout:
-            if module.down_proj_q.shape[-1] * 2 % GROUP_SIZE["int4"] or module.gate_up_proj_q.shape[-1] * 2 % GROUP_SIZE["int4"]:
+            if not (fits_int4_kernel(module.down_proj_q.shape[-1] * 2) and fits_int4_kernel(module.gate_up_proj_q.shape[-1] * 2)):
                 continue
             for name in ("gate_up_proj", "down_proj"):
                 q, scales = getattr(module, f"{name}_q"), getattr(module, f"{name}_scales")

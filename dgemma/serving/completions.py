@@ -55,9 +55,8 @@ def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int |
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
-    if body.step_cache and state.adapters:
-        raise bad_request("step_cache: this server serves LoRA adapters, which the step cache does not work with yet",
-                          param="step_cache")
+    if body.step_cache and state.worker.model.step_cache_refusal() is not None:
+        raise bad_request(f"step_cache: {state.worker.model.step_cache_refusal()}", param="step_cache")
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
                                       entropy_bound=body.entropy_bound, accept_order=body.accept_order,

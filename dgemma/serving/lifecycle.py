@@ -54,9 +54,9 @@ import time
 import torch
 import uvicorn
 
+from dgemma.compilation.steps import compile_model, is_compiled, release_compiled
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
-from dgemma.compilation.steps import compile_model, is_compiled, release_compiled
 from dgemma.serving.state import ServerState
 
 log = logging.getLogger("dgemma.serve")

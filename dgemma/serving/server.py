@@ -191,8 +191,8 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
     sampling = model.sampling_config.replace(**settings.step_cache)
-    if sampling.step_cache and (adapters or settings.tp is not None):
-        raise StartupError("--step-cache on works with neither --lora nor a split model yet")
+    if sampling.step_cache and model.step_cache_refusal() is not None:
+        raise StartupError(f"--step-cache on: {model.step_cache_refusal()}")
     vocab_size = model.config.vocab_size
     codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
     images = _image_reader(settings, folder, model) if task == "text" else None

@@ -1,7 +1,7 @@
 """The sudoku task, independent of any model: data sets, text I/O, tokenisation and scoring.
 
 Grid logic (solver, generator, singles, validity, symmetry, canonical form) lives in
-`sudoku_grid` and is re-exported here. A grid is a tuple of 81 ints, row-major, 0 = blank.
+`sudoku_grid` (symmetries: `sudoku_symmetry`) and is re-exported here. A grid is a tuple of 81 ints, row-major, 0 = blank.
 
 Token layout for the model (vocabulary of 16):
   prompt = [BOS] + 81 cell tokens (digit token, or BLANK for an empty cell)   -> 82 tokens
@@ -29,10 +29,7 @@ from dgemma.tasks.sudoku_grid import (
     UNIT_NAMES,
     UNITS,
     Grid,
-    Transform,
-    are_equivalent,
     as_grid,
-    canonical_form,
     count_givens,
     count_solutions,
     generate_minimal_puzzle,
@@ -42,12 +39,11 @@ from dgemma.tasks.sudoku_grid import (
     is_valid_solution,
     propagate_singles,
     random_solution,
-    random_transform,
     rule_violations,
     solution_errors,
     solve,
-    transpose,
 )
+from dgemma.tasks.sudoku_symmetry import Transform, are_equivalent, canonical_form, random_transform, transpose
 
 __all__ = [
     "Grid", "Example", "Split", "SudokuVocab", "Transform", "BUCKETS", "BUCKET_GIVENS",

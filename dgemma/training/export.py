@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from dgemma.config import ConfigError
-from dgemma.weights.checkpoint import LazyWeights, save_pretrained
 from dgemma.training.config import TrainConfig
 from dgemma.training.lora import merge_lora_state
 from dgemma.training.state import latest_checkpoint, list_checkpoints, read_model_tensors, read_trainer_state
+from dgemma.weights.checkpoint import LazyWeights, save_pretrained
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -75,8 +75,8 @@ def export_adapter(checkpoint: Path, out: Path) -> Path | None:
     import sys
 
     from dgemma.model.adapters import AdapterError
-    from dgemma.weights.peft import write_peft_adapter
     from dgemma.training.model_setup import resolve_model_config
+    from dgemma.weights.peft import write_peft_adapter
 
     config = TrainConfig.from_json(read_trainer_state(checkpoint)["config"])
     adapters = {n: t for n, t in read_model_tensors(checkpoint).items() if ".lora_" in n}

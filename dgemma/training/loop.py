@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 
 from dgemma import devices
-from dgemma.config import ConfigError
 from dgemma.compilation import policy
+from dgemma.config import ConfigError
 from dgemma.training import distributed as D
 from dgemma.training.config import TrainConfig
 from dgemma.training.data import ExampleStream, TextEncoder, collate, load_jsonl, read_examples
 from dgemma.training.export import export_adapter, export_checkpoint
 from dgemma.training.memory import format_bytes, memory_plan, plan_options, plan_summary
 from dgemma.training.model_setup import (
-    base_dtype,
     TRAINING_MODE,
+    base_dtype,
     compile_for_training,
     configure_trainable,
     resolve_model_config,

@@ -15,9 +15,9 @@ import torch
 
 from dgemma import devices
 from dgemma.config import FULL, ConfigError, ModelConfig, get_preset
-from dgemma.weights.checkpoint import read_json
 from dgemma.model.experts import Experts
 from dgemma.training.lora import apply_lora
+from dgemma.weights.checkpoint import read_json
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 

@@ -31,7 +31,15 @@ from safetensors import SafetensorError, safe_open
 from dgemma.config import ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
 from dgemma.quant import openvino
-from dgemma.quant.quantize import FORMATS, GROUP_SIZE, is_kernel_layout, load_dense_into, quantised_tensors, swap_modules, use_cpu_int4_kernel
+from dgemma.quant.quantize import (
+    FORMATS,
+    GROUP_SIZE,
+    is_kernel_layout,
+    load_dense_into,
+    quantised_tensors,
+    swap_modules,
+    use_cpu_int4_kernel,
+)
 from dgemma.weights.shards import INDEX_FILE, SINGLE_FILE, TensorSpec, pack_shards, write_shards
 
 DECODER = "model.decoder."
@@ -262,7 +270,7 @@ def _meta_model(config: ModelConfig, hf_config: dict, dtype: torch.dtype,
 
 
 def inspect_checkpoint(path) -> tuple[ModelConfig, dict[str, StoredTensor], LoadPlan, str | None]:
-    """Everything `load_model` checks before it reads a weight: config, shard headers, every key's fate, and
+    """Everything `load_folder` checks before it reads a weight: config, shard headers, every key's fate, and
     the format the weights are stored in (None: unquantised)."""
     path = Path(path)
     cfg, config = model_config(path)
@@ -299,7 +307,7 @@ def open_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Dif
     return model, plan, stored
 
 
-def load_model(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None,
+def load_folder(path, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None,
                cpu_int4_kernel: bool = True):
     """Load a DiffusionGemma checkpoint folder into our `DiffusionGemma`. `model.load_report` keeps every
     checkpoint key's fate ("read" / "skipped: why").
@@ -394,7 +402,7 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
                                   lambda names: {n: state[n] for n in names})
         config = model.config.to_hf_dict(model.hf_config)
         config.pop("quantization_config", None)
-        if fmt:  # codes and scales in dgemma's layout, read back by `load_model`
+        if fmt:  # codes and scales in dgemma's layout, read back by `load_folder`
             config["quantization_config"] = quantization_config(fmt)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = dict(model.hf_generation_config or {})

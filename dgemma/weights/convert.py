@@ -36,9 +36,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dgemma.config import FULL, SLIDING, ConfigError, ModelConfig
+from dgemma.model.network import DiffusionGemma
 from dgemma.weights.checkpoint import CheckpointError, checkpoint_key, move_into_place, read_headers
 from dgemma.weights.gemma4_config import check_text_config, generation_config, output_config, read_source_config
-from dgemma.model.network import DiffusionGemma
 from dgemma.weights.shards import DTYPES, TensorSpec, human_bytes, pack_shards, parse_size, write_shards
 
 # Parts of Gemma 4 that DiffusionGemma has no place for; `--drop` names them to convert without them.

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma.weights.checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, CheckpointError, read_json
-from dgemma.weights.checkpoint import load_model as load_folder
+from dgemma.weights.checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, CheckpointError, load_folder, read_json
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 SMALL_FILES = ("config.json", "generation_config.json", INDEX_FILE, "dgemma_task.json", *TOKENIZER_FILES)
@@ -77,6 +76,6 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 def load_model(name, device="cpu", dtype: torch.dtype = torch.float32, *, quantize: str | None = None,
                revision: str | None = None, cpu_int4_kernel: bool = True):
     """`dgemma.load_model`: a model folder or a Hugging Face id -> our `DiffusionGemma` (the loading itself,
-    and what `quantize` and `cpu_int4_kernel` do, is `checkpoint.load_model`)."""
+    and what `quantize` and `cpu_int4_kernel` do, is `checkpoint.load_folder`)."""
     return load_folder(resolve_model(name, revision), device=device, dtype=dtype, quantize=quantize,
                        cpu_int4_kernel=cpu_int4_kernel)

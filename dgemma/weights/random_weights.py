@@ -12,7 +12,8 @@ import torch
 
 from dgemma.config import ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.quant.quantize import GROUP_SIZE, QuantExperts, cpu_int4_kernel_applies, kernel_scales, random_quantized, swap_modules, use_cpu_int4_kernel
+from dgemma.quant.quantize import (QuantExperts, cpu_int4_kernel_applies, fits_int4_kernel, kernel_scales,
+                                 random_quantized, swap_modules, use_cpu_int4_kernel)
 
 
 @torch.no_grad()
@@ -33,7 +34,7 @@ def random_model(config: ModelConfig, *, device="cpu", dtype: torch.dtype = torc
     # bf16 int4 on a CPU runs torch's int4 matmul: random codes are random in its layout too, so only the
     # scales are made in its form (no repacking)
     kernel = (quantize == "int4" and cpu_int4_kernel_applies(model, torch.device(device), dtype)
-              and all(shapes[n][-1] % GROUP_SIZE["int4"] == 0 for n in quantised))
+              and all(fits_int4_kernel(shapes[n][-1]) for n in quantised))
     std = config.initializer_range
     tensors = {}
     for name, shape in shapes.items():

@@ -1,0 +1,113 @@
+"""`SamplingConfig`: the denoising sampler's settings, mirroring the checkpoint's `generation_config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dgemma.config.model import ConfigError
+
+# The orders in which a denoising step accepts positions (dgemma.sampling.acceptance_uncertainty);
+# "entropy" is the reference's and the released model's.
+ACCEPT_ORDERS = ("entropy", "margin", "confidence")
+
+
+
+STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "cache_refresh")
+
+
+@dataclass
+class SamplingConfig:
+    """The denoising sampler's knobs; defaults are the released `generation_config.json` values,
+    except `max_new_tokens`, which the official file caps at one canvas (256)."""
+
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_max: float = 0.8
+    t_min: float = 0.4
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    max_new_tokens: int = 2048
+    fixed_steps: bool = False  # run exactly max_denoising_steps per canvas (benchmarks)
+    eos_token_ids: tuple[int, ...] = (1, 106, 50)
+    pad_token_id: int = 0
+    seed: int | None = None
+    # which positions a step accepts first: lowest entropy (the reference), widest top-2 margin, or
+    # highest top-1 probability; the entropy bound applies to each order's uncertainty (dgemma.sampling)
+    accept_order: str = "entropy"
+    # the step cache (dgemma.generation.step_cache): settled positions are not recomputed; a position settles
+    # after `settle_steps` steps with the same argmax at tempered top probability >= `settle_probability`;
+    # every `cache_refresh`-th step recomputes all (0: never). Off by default: it trades quality for compute.
+    step_cache: bool = False
+    settle_steps: int = 2
+    settle_probability: float = 0.99
+    cache_refresh: int = 0
+
+    def __post_init__(self):
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        checks = [
+            (self.max_denoising_steps >= 1, "max_denoising_steps must be >= 1"),
+            (self.entropy_bound >= 0 and math.isfinite(self.entropy_bound), "entropy_bound must be >= 0"),
+            (0 < self.t_min <= self.t_max and math.isfinite(self.t_max), "need 0 < t_min <= t_max"),
+            (self.stability_threshold >= 1, "stability_threshold must be >= 1"),
+            (self.confidence_threshold >= 0, "confidence_threshold must be >= 0"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (isinstance(self.step_cache, bool), "step_cache must be true or false"),
+            (self.settle_steps >= 1, "settle_steps must be >= 1"),
+            (0 <= self.settle_probability <= 1, "settle_probability must be in [0, 1]"),
+            (self.cache_refresh >= 0, "cache_refresh must be >= 0 (0: never)"),
+            (self.accept_order in ACCEPT_ORDERS,
+             f"accept_order must be one of {', '.join(ACCEPT_ORDERS)}, not {self.accept_order!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    @classmethod
+    def from_hf_dict(cls, gen: dict[str, Any], **overrides) -> "SamplingConfig":
+        """Read `generation_config.json`; `max_new_tokens` there is ignored (it caps output at one canvas).
+        `accept_order` is dgemma's own key (absent: "entropy", the reference's order)."""
+        kw: dict[str, Any] = {}
+        for key in ("max_denoising_steps", "t_max", "t_min", "stability_threshold", "confidence_threshold",
+                    "accept_order"):
+            if gen.get(key) is not None:
+                kw[key] = gen[key]
+        sampler = gen.get("sampler_config") or {}
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            kw["entropy_bound"] = sampler["entropy_bound"]
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+        if gen.get("pad_token_id") is not None:
+            kw["pad_token_id"] = gen["pad_token_id"]
+        section = gen.get("dgemma") or {}
+        if isinstance(section, dict):
+            kw.update({k: section[k] for k in STEP_CACHE_KEYS if section.get(k) is not None})
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """`generation_config.json`'s fields; `accept_order` only when it is not the reference's, and the step
+        cache's settings in a "dgemma" section only when one differs from its default (transformers keeps a
+        key it does not know as an attribute and ignores it, so such a file still loads there)."""
+        order = {} if self.accept_order == "entropy" else {"accept_order": self.accept_order}
+        defaults = SamplingConfig()
+        if any(getattr(self, k) != getattr(defaults, k) for k in STEP_CACHE_KEYS):
+            order["dgemma"] = {k: getattr(self, k) for k in STEP_CACHE_KEYS}
+        return {
+            "max_denoising_steps": self.max_denoising_steps,
+            # transformers rebuilds the sampler dataclass from its class name
+            "sampler_config": {"entropy_bound": float(self.entropy_bound), "_cls_name": "EntropyBoundSamplerConfig"},
+            "t_max": self.t_max,
+            "t_min": self.t_min,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": self.confidence_threshold,
+            "eos_token_id": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id,
+            **order,
+        }
+
+    def replace(self, **changes) -> "SamplingConfig":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
