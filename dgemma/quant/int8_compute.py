@@ -14,11 +14,15 @@ which needs one scale per output channel of the weight, where the stored formats
   int8 models -- each weight is requantised once, in place, to one scale per channel (the codes keep their
                  bytes; the group scales are all set to the channel's, so the model still reads, saves and
                  dequantises as before): every row count runs in int8;
-  int4 models -- the int4 codes stay; a weight (a dense layer, one expert) is widened to channel int8 codes
-                 when it runs on enough rows to repay that (`widening_pays`), never the whole model at once.
-                 Otherwise the int4 path runs (torch's int4 kernel, or dequantising);
+  int4 models -- where OpenVINO is installed, it takes the routed experts and the large linear layers and
+                 holds their only copy (`dgemma.quant.openvino`: its int4 kernels are several times these at
+                 a canvas's rows). The rest keep their int4 codes: a weight (a dense layer, one expert) is
+                 widened to channel int8 codes when it runs on enough rows to repay that (`widening_pays`),
+                 never the whole model at once; otherwise the int4 path runs (torch's int4 kernel, or
+                 dequantising);
   the tied embedding table (LM head, self-conditioning soft embedding) -- int8 codes with one scale per
-                 token row, beside the table (V x H bytes: 0.74 GB at the 26B shape, 8% of its int4 weights).
+                 token row, beside the table (V x H bytes: 0.74 GB at the 26B shape, 8% of its int4 weights),
+                 on CPUs without AMX-BF16 (`table_in_int8`).
 Attention itself, norms and the router stay in floating point.
 """
 

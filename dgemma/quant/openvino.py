@@ -1,4 +1,5 @@
-"""int4 weights on OpenVINO's CPU kernels (a default dependency on x86-64 Linux, `dgemma[cpu-kernels]` elsewhere), holding the only copy.
+"""int4 weights on OpenVINO's CPU kernels, which then hold the only copy (OpenVINO: a default dependency on
+x86-64 Linux, `pip install 'dgemma[cpu-kernels]'` elsewhere).
 
 Measured at the 26B-A4B's shapes (`benchmarks/cpu_kernels.py`, benchmarks/README.md), OpenVINO's int4 fully
 connected layer (FullyConnectedCompressed) is several times torch's int4 kernel at a canvas's rows: an
@@ -13,7 +14,7 @@ the int4 weights to it, part by part (`takes`), as compiled graphs:
     y (R, H): the experts' outputs, in the same order
   a linear layer (`LibraryLinear`: attention projections, dense MLPs), one graph each: x (M, K) -> (M, N)
 
-The codes are dgemma's (two's-complement nibbles, `quantize.quantize_tensor`, or read back from torch's int4
+The codes are dgemma's (two's-complement nibbles, `formats.quantize_tensor`, or read back from torch's int4
 kernel layout), handed over without the zero point the stored format carries. Activations cross as views
 of torch's buffers (input, offsets, output: no copies), in the model's dtype (bf16 or fp32; the products
 run in bf16 either way).
@@ -63,7 +64,7 @@ class WeightsInLibrary(ValueError):
 def unavailable() -> str | None:
     """Why the OpenVINO kernels cannot run here, or None."""
     if importlib.util.find_spec("openvino") is None:
-        return "openvino is not installed (pip install 'dgemma[cpu-kernels]')"
+        return "openvino is not installed (pip install openvino, or 'dgemma[cpu-kernels]')"
     return None
 
 
