@@ -32,7 +32,7 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 demo: $(VENV)/.core
 	$(BIN)/dgemma sudoku solve --rounds 8

@@ -31,11 +31,6 @@ SYSTEMS = {"torch": "torch", "library": "auto"}  # system -> DGEMMA_CPU_KERNELS
 FRACTIONS = (0.25, 0.5, 0.75)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def timed(fn):
     """Seconds of one call, after one untimed call (first calls pay for allocation and kernel setup)."""
     fn()
@@ -51,6 +46,7 @@ def measure(args) -> dict:
     import torch
 
     import dgemma
+    from dgemma import processes
     from dgemma.engine.allocator import release_freed_memory
     from dgemma.model import PreviousStep
     from dgemma.model.packing import PackedPositions
@@ -64,12 +60,12 @@ def measure(args) -> dict:
            "threads": torch.get_num_threads(), "layers": config.num_layers}
     start = time.perf_counter()
     model = random_model(config, dtype=torch.bfloat16, quantize="int4")
-    out["build_s"], out["rss_after_build"] = time.perf_counter() - start, rss_bytes()
+    out["build_s"], out["rss_after_build"] = time.perf_counter() - start, processes.resident_memory()["rss"]
     start = time.perf_counter()
     out["int8_compute"] = int8_compute.enable(model, "auto")
     release_freed_memory()
-    out["hand_over_s"], out["rss_after_hand_over"] = time.perf_counter() - start, rss_bytes()
-    out["dgemma_weight_bytes"] = quantize.weight_bytes(model)
+    out["hand_over_s"], out["rss_after_hand_over"] = time.perf_counter() - start, processes.resident_memory()["rss"]
+    out["dgemma_weight_bytes"] = quantize.loaded_weight_bytes(model)
     out["kernels"] = {"canvas": kernels.kernels(model, config.canvas_length), "AR": kernels.kernels(model, 1)}
     c, g = model.config, torch.Generator().manual_seed(0)
     ids = torch.randint(3, c.vocab_size, (1, args.prompt_len), generator=g)

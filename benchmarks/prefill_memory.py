@@ -5,9 +5,9 @@ The model is the released config (hidden 2816; sliding layers 16 query heads, 8 
 full layers 2 KV heads, head dim 512, K = V; 128 experts top-8, 704 wide; dense MLP 2112) cut to
 `--layers` layers (the first of each kind: a sliding and a full layer by default) and a `--vocab` table,
 random int4 weights in bf16, as the 26B runs on a CPU. Each way runs in a fresh process: the engine is
-built and warmed (its KV cache allocated), the process's peak resident memory is reset
-(/proc/self/clear_refs), the prompt is read through the engine's prefill steps, and the peak it reached
-(VmHWM) is taken against the resident memory before. That difference is what reading the prompt adds: the
+built and warmed (its KV cache allocated), the process's peak resident memory is restarted
+(`dgemma.processes.restart_peak_rss`), the prompt is read through the engine's prefill steps, and the peak it
+reached is taken against the resident memory before. That difference is what reading the prompt adds: the
 activations of the chunk in flight (projections, attention, the experts' rows), not the cache it fills
 (the engine step that reads the last chunk also takes the first denoising step of the canvas, 256 rows).
 
@@ -28,18 +28,13 @@ import time
 GIB = 1 << 30
 
 
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def child(args) -> dict:
     import torch
 
     import dgemma
     from dgemma.config import FULL, SLIDING, SamplingConfig
     from dgemma.engine import Engine, Request
+    from dgemma.processes import resident_memory, restart_peak_rss
     from dgemma.weights.random_weights import random_model
 
     full = dgemma.get_preset("diffusiongemma-26b-a4b")
@@ -54,16 +49,16 @@ def child(args) -> dict:
     prompt = torch.randint(3, config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         engine.generate([prompt[:64]], sampling, seeds=[0])  # the cache rows and the kernels' first calls
-        with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-            f.write("5")
-        before = status("VmRSS")
+        if not restart_peak_rss():  # the peak starts again from the resident memory now
+            raise SystemExit("prefill_memory.py needs Linux: the peak resident memory could not be restarted")
+        before = resident_memory()["rss"]
         request = engine.submit(Request(prompt=prompt, sampling=sampling, seed=0))
         start, calls = time.perf_counter(), 0
         while request.state.prefilled is None or request.prefilling:  # the last step also takes the canvas's first
             engine.step()
             calls += 1
         seconds = time.perf_counter() - start
-        peak = status("VmHWM")
+        peak = resident_memory()["peak_rss"]
     return {"chunk": args.chunk, "prefill_chunk_tokens": engine.prefill_budget() if chunk is None else min(chunk, args.tokens),
             "engine_steps": calls, "added_bytes": peak - before, "seconds": seconds, "threads": torch.get_num_threads()}
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 from soak import build_model_512, long_prompt
 
+from dgemma.processes import resident_memory
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -52,8 +54,7 @@ def run(proc, n: int, extra: list[str]) -> dict:
     url = line.rsplit(" on ", 1)[1].strip()
 
     def rss() -> float:
-        with open(f"/proc/{proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return resident_memory(proc.pid)["rss"] / 2**20
 
     def ask(http, i: int) -> dict:
         body = {"model": "model", "seed": i, "max_tokens": 16, "messages": [{"role": "user", "content": long_prompt(i)}]}

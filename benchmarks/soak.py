@@ -51,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from dgemma.commands._common import plot_file
+from dgemma.processes import resident_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -171,9 +172,8 @@ class Server:
     def read_rss(self) -> float | None:
         """The server's resident memory now, MiB (None once it is gone)."""
         try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-        except (OSError, StopIteration):
+            return resident_memory(self.proc.pid)["rss"] / 2**20
+        except OSError:
             return None
 
     def _sample(self):

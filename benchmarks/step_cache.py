@@ -100,9 +100,9 @@ class _Recorder:
 
 def sudoku_bench(args) -> dict:
     """Through the engine, as `dgemma sudoku eval` (single shot, eager): one evaluation per system."""
-    from dgemma.commands.sudoku import SHIPPED
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, evaluate, sudoku_sampling
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.weights.hub import load_model
 
     model = load_model(args.model or SHIPPED, dtype=torch.float32)

@@ -85,7 +85,7 @@ def main():
         if system not in ("off", "cache", "fresh-kv", "fresh-logits") and not (depth and depth.isdigit()):
             p.error(f"--system: expected off, cache, fresh-kv, fresh-kv@M or fresh-logits, not {system!r}")
 
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.generation import generate
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, sudoku_sampling

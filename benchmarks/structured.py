@@ -198,15 +198,14 @@ def main():
 
 def sudoku_rows(count: int) -> list[dict]:
     """The shipped sudoku model: no constraint, constrained at commit only, constrained at every step."""
-    from importlib.resources import files
-
     import dgemma
     from dgemma.generation import generate
     from dgemma.structured import TokenVocabulary, regex_constraint
     from dgemma.tasks import sudoku
     from dgemma.tasks.sudoku_eval import answer_grid, sudoku_sampling
+    from dgemma.tasks.sudoku_models import SHIPPED
 
-    model = dgemma.load_model(files("dgemma") / "assets" / "sudoku")
+    model = dgemma.load_model(SHIPPED)
     names = [None] * sudoku.SudokuVocab.vocab_size
     for digit, token in enumerate(sudoku.SudokuVocab.DIGIT_IDS, start=1):
         names[token] = str(digit).encode()

@@ -138,18 +138,13 @@ def total_host_memory() -> int:
     return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resident_bytes() -> int:
-    """This process's resident set now (Linux's VmRSS; elsewhere its peak, as getrusage reports it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def free_memory_bytes(device) -> int:
+    """Bytes free for new tensors on `device` (a torch device or its name): CUDA's free memory on a GPU,
+    else the host's available memory (`available_host_memory`). Asked afresh each time."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_memory()
 
 
 @functools.cache

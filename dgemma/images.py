@@ -235,6 +235,17 @@ def prompt_with_images(ids: Sequence[int], images: Sequence[Image.Image], proces
                                boi_token_id=config.boi_token_id, eoi_token_id=config.eoi_token_id), inputs
 
 
+def image_placeholder(model, tokenizer) -> str:
+    """The text of the model's image placeholder token (Gemma 4: <|image|>), which a prompt writes where an
+    image goes. ImageError for a model without a vision tower, or a tokenizer without the token."""
+    if model.vision_tower is None:
+        raise ImageError("this model has no vision tower: it cannot read images")
+    placeholder = tokenizer.backend.id_to_token(model.config.image_token_id)
+    if placeholder is None:
+        raise ImageError(f"the tokenizer has no token for the image placeholder id {model.config.image_token_id}")
+    return placeholder
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}

@@ -1,9 +1,13 @@
-"""Processes dgemma starts end when what started them ends, even by SIGKILL (Linux).
+"""Processes: those dgemma starts end when what started them ends, even by SIGKILL, and what a process holds
+in memory (Linux).
 
 A split server's ranks (started by torch.distributed's launcher) and a Ray Serve replica's split server are
 children whose parent may be killed without a chance to stop them (an OOM kill, a supervisor's SIGKILL, Ray
 killing a replica's process): left alone, a rank 0 would go on serving its port and the other ranks would wait
 on it. `end_with_parent` asks the kernel to send SIGTERM, which they handle as a stop, when the parent ends.
+
+`resident_memory` reads a process's resident memory from /proc (the one place dgemma, its benchmarks and
+its tests read it; tests/test_import_graph.py holds that), and `restart_peak_rss` starts its peak afresh.
 """
 
 from __future__ import annotations
@@ -28,3 +32,34 @@ def end_with_parent(signum: int = signal.SIGTERM):
         return  # not allowed here (a sandbox): the parent's own stop still ends the child
     if os.getppid() != parent:  # the parent ended before the request took hold
         os.kill(os.getpid(), signum)
+
+
+# /proc/PID/status's fields (kB) -> resident_memory's keys
+_STATUS_FIELDS = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "private"}
+
+
+def resident_memory(pid: int | str = "self") -> dict[str, int]:
+    """Process `pid`'s resident memory in bytes, as Linux's /proc/PID/status gives it: "rss" now (VmRSS),
+    "peak_rss" its peak since it started or since `restart_peak_rss` (VmHWM), "private" its anonymous part now
+    (RssAnon: the RSS also counts file pages, such as a checkpoint's mapped shards). Off Linux, zeros.
+    OSError when the process has ended."""
+    out = dict.fromkeys(_STATUS_FIELDS.values(), 0)
+    if not sys.platform.startswith("linux"):
+        return out
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name = line.split(":", 1)[0]
+            if name in _STATUS_FIELDS:
+                out[_STATUS_FIELDS[name]] = int(line.split()[1]) * 1024
+    return out
+
+
+def restart_peak_rss() -> bool:
+    """Make this process's peak resident memory (`resident_memory()["peak_rss"]`) start again from its resident
+    memory now (Linux: "5" written to /proc/self/clear_refs). False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

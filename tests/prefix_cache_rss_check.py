@@ -15,14 +15,9 @@ import torch
 import dgemma
 from dgemma.config import SamplingConfig
 from dgemma.engine import Engine
+from dgemma.processes import resident_memory
 
 REQUESTS, WAVE, PROMPT = 1000, 50, 256
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
 
 
 def prompts(first: int, n: int, vocab: int) -> list[list[int]]:
@@ -43,10 +38,10 @@ def main():
     V = model.config.vocab_size
     with torch.no_grad():
         engine.generate(prompts(0, WAVE, V), sampling, seeds=list(range(WAVE)))
-        start = peak = resident_bytes()
+        start = peak = resident_memory()["rss"]
         for first in range(WAVE, REQUESTS, WAVE):
             engine.generate(prompts(first, WAVE, V), sampling, seeds=list(range(WAVE)))
-            peak = max(peak, resident_bytes())
+            peak = max(peak, resident_memory()["rss"])
     stats = engine.prefix_cache.stats
     block_bytes = next(iter(engine.prefix_cache.blocks.values())).nbytes
     print(json.dumps({"start_rss": start, "peak_rss": peak, "held_bytes": stats.bytes, "blocks": stats.blocks,

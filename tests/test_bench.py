@@ -64,7 +64,7 @@ def test_bench_compiles_by_default_and_reports_both_engines(tmp_path):
 def test_systems_are_timed_turn_about():
     """Every round runs each system once, in an order that flips every round, and each system reports
     its fastest run and a memory peak taken per run."""
-    from dgemma.commands import bench_timing as bench
+    from dgemma.benchmarking import timing as bench
 
     order = []
 
@@ -91,7 +91,7 @@ def test_memory_peaks_see_each_run_even_when_freed_memory_is_kept():
     show 64 MB over its starting point in every repeat, not only the first."""
     script = (
         "import torch\n"
-        "from dgemma.commands import bench_timing as bench\n"
+        "from dgemma.benchmarking import timing as bench\n"
         "from dgemma.engine.allocator import keep_freed_memory\n"
         "assert keep_freed_memory()\n"
         "class Allocating(bench.Timed):\n"

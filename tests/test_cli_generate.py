@@ -55,7 +55,7 @@ def test_generate_ar(tiny_model_dir):
 def test_draft_view_renders_tokens_by_state(tiny_model_dir):
     from rich.console import Console
 
-    from dgemma.commands.generate import DraftView
+    from dgemma.commands._terminal import DraftView
     from dgemma.engine import Event
     from dgemma.tokenizer import Tokenizer
 

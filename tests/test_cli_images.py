@@ -10,7 +10,7 @@ import torch
 
 import dgemma
 import dgemma.cli
-from dgemma.commands.generate import encode_prompt
+from dgemma.chat.codec import encode_prompt
 from dgemma.engine import Engine
 from dgemma.images import ImageProcessor, open_image, prompt_with_images
 from dgemma.tokenizer import Tokenizer

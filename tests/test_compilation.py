@@ -142,9 +142,9 @@ def test_solve_after_an_eval_compiled_another_shape_runs_eagerly(monkeypatch, tm
     so on its start line; once solve's own shape is in the cache it compiles. No real compile here:
     compile_model is replaced by a recorder."""
     from dgemma import cli
-    from dgemma.commands._common import engine_shape
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.compilation.policy import engine_shape
     from dgemma.tasks.sudoku_eval import MAX_LENGTH
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.weights.hub import load_model
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma import devices
+from dgemma import devices, processes
 from dgemma.quant import int8_compute, kernels, openvino
 from dgemma.quant import quantize as quant
 from dgemma.quant.quantize import QuantExperts, QuantLinear, quantize_model, use_cpu_int4_kernel
@@ -74,14 +74,14 @@ def test_one_copy_and_every_row_count_on_it(dtype):
     model = _tiny_int4(dtype)
     experts = model.layers[1].experts
     dense = _dense_experts(experts)
-    before = quant.weight_bytes(model)
+    before = quant.loaded_weight_bytes(model)
     assert int8_compute.enable(model, "on", library="openvino")
     handed = [m for m in model.modules() if isinstance(m, (QuantExperts, QuantLinear)) and m.library is not None]
     assert experts in handed and model.layers[0].self_attn.q_proj in handed  # (kernel-layout k/v of 32 rows stay)
     assert all(m.weights_in_library for m in handed)
     assert all(b.is_meta for m in handed for b in m.buffers(recurse=False))  # no storage left on dgemma's side
     held = sum(b.numel() * b.element_size() for m in handed for b in m.buffers(recurse=False))
-    assert quant.weight_bytes(model) == before - held
+    assert quant.loaded_weight_bytes(model) == before - held
     g = torch.Generator().manual_seed(3)
     for counts in ([1, 0, 0, 0], [0, 2, 0, 1], [20, 0, 13, 7], [64, 64, 64, 64]):
         grouped = torch.randn(sum(counts), 64, generator=g).to(dtype)
@@ -177,7 +177,7 @@ def test_sudoku_logits_agree_with_torchs_kernels(monkeypatch):
     logits as close to it as torch's (mean cosine within 0.001, argmax agreement within a point; int4 itself
     costs more here: cosine 0.996, 94% of the argmaxes of these random canvases). An AR-sized call (a few
     entries) runs on the library too: its copy is the only one."""
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.tasks import sudoku
 
     puzzles = [e.puzzle for e in sudoku.generate_examples(8, seed=4)]
@@ -243,7 +243,7 @@ def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
     held = openvino.held_bytes(m for m, _ in chosen)
     size = {g: sum(openvino.library_bytes(m, g if p == "experts" else 32) for m, p in chosen) for g in (32, 64)}
     assert size[64] < size[32]
-    monkeypatch.setattr(devices, "resident_bytes", lambda: held)
+    monkeypatch.setattr(processes, "resident_memory", lambda: {"rss": held})
     monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
     budget = (size[32] + size[64]) // 2  # the plan keeps rss - held + library + reserve within it
     reserve = openvino.reserve_bytes(model.config)
@@ -270,7 +270,7 @@ def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
 
     linears, experts = [c for c in chosen if c[1] == "linears"], [c for c in chosen if c[1] == "experts"]
     room = growth(linears) + growth(experts[:1]) + 1  # the linears and one layer's experts (groups of 32: tiny)
-    monkeypatch.setattr(devices, "resident_bytes", lambda: held)
+    monkeypatch.setattr(processes, "resident_memory", lambda: {"rss": held})
     monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
     total = (held + room + openvino.reserve_bytes(model.config)) / openvino.MEMORY_SHARE
     monkeypatch.setattr(devices, "total_host_memory", lambda: int(total) + 1)

@@ -105,6 +105,14 @@ def test_only_the_server_and_its_command_import_dgemma_serving():
     assert {name: found for name, found in outside.items() if found} == {}
 
 
+def test_the_server_knows_no_task():
+    """dgemma serve's command reads the model's task and hands the server its codec (ServerSettings.codec): nothing
+    in dgemma/serving imports dgemma.tasks."""
+    found = {name: sorted(m for m in imports if m == "dgemma.tasks" or m.startswith("dgemma.tasks."))
+             for name, imports in import_graph().items() if name.startswith("dgemma.serving")}
+    assert {name: tasks for name, tasks in found.items() if tasks} == {}
+
+
 def test_no_import_circles():
     assert _circles(import_graph()) == []
 
@@ -145,6 +153,7 @@ HOUSE = ("config", "devices", "device_sync", "processes", "tokenizer", "images",
          "quant", "compilation", "weights", "parallel",  # what is done to the network: kernels, compiling, files, ranks
          "sampling", "structured", "generation", "engine",  # generating
          "chat", "tasks", "training", "serving",  # the users of generation
+         "benchmarking",  # what `dgemma bench` measures with
          "commands", "cli", "__main__")
 # Old import paths kept for one release with a DeprecationWarning (CHANGELOG.md): they point up on purpose.
 DEPRECATED_ALIASES = {"dgemma.model.parallel", "dgemma.model.parallel_load"}
@@ -173,12 +182,11 @@ def test_the_model_room_holds_the_network_alone():
     assert found == []
 
 
-
-
 # Rules written once: each pattern may appear only in the file that defines the rule.
 ONE_DEFINITION = {
     "% GROUP_SIZE[": "dgemma/quant/formats.py",  # the int8/int4 group size and its fallback (`group_size`)
     "step cache does not work with": ("dgemma/model/network.py", "dgemma/parallel/modules.py"),  # step_cache_refusal
+    "/ GROUP_SIZE[": "dgemma/quant/quantize.py",  # a weight's share of its group's scale (`bytes_per_weight`)
 }
 
 
@@ -187,4 +195,84 @@ def test_rules_written_once_stay_where_they_are_defined():
                    for pattern, home in ONE_DEFINITION.items()
                    if pattern in path.read_text() and str(path.relative_to(ROOT.parent)) not in (
                        home if isinstance(home, tuple) else (home,)))
+    assert found == []
+
+
+def test_modules_and_functions_stay_readable():
+    """No module in dgemma/ over 500 lines, no function over 100."""
+    long_modules, long_functions = [], []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_modules.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
+                long_functions.append(f"{path.relative_to(ROOT.parent)}: {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long_modules == [] and long_functions == []
+
+
+# -- what tests and benchmarks take from the commands, and the rules they share with the package -------------
+REPO = ROOT.parent
+OUTSIDE = ("tests", "benchmarks", "scripts")  # the folders beside the package that import it
+
+
+def _outside_files() -> list[Path]:
+    """Their Python files, this one aside (it names what it looks for)."""
+    return sorted(path for folder in OUTSIDE for path in (REPO / folder).rglob("*.py")
+                  if path != Path(__file__).resolve())
+
+
+def _names_from_commands(tree: ast.AST) -> set[str]:
+    """The names a file imports from dgemma.commands (`from dgemma.commands.x import a` -> "x.a"), modules too."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[:2] == ["dgemma", "commands"]:
+            module = node.module.removeprefix("dgemma.commands").lstrip(".") or "(package)"
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("dgemma.commands"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "dgemma.commands" in node.value:
+            try:  # a script a test runs in a child process
+                found |= _names_from_commands(ast.parse(node.value))
+            except SyntaxError:
+                pass  # prose
+    return found
+
+
+# What tests and benchmarks may take from commands/: the command line itself (flags, their readers, what a
+# command draws on the terminal), to test it. A library function they need comes from a library room; a name
+# added here is a decision that it belongs to the command line.
+COMMAND_LINE_NAMES = {
+    "_common.add_compile_arguments", "_common.add_sampling_arguments", "_common.plot_file",
+    "_common.resolve_device_dtype", "_common.step_cache_overrides", "_common.wants_compile",
+    "_terminal.DraftView", "chat.AnswerPrinter", "train.config_from_args",
+}
+
+
+def test_tests_and_benchmarks_take_only_the_command_line_from_the_commands():
+    found: dict[str, list[str]] = {}
+    for path in _outside_files():
+        for name in _names_from_commands(ast.parse(path.read_text())) - COMMAND_LINE_NAMES:
+            found.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert found == {}
+
+
+# A process's resident memory is read from /proc in one place, `dgemma.processes.resident_memory` (and its peak
+# restarted in `restart_peak_rss`): these strings in code (not in docstrings) anywhere else are another copy.
+RSS_READS = ("VmRSS", "VmHWM", "RssAnon", "clear_refs", "/status")
+
+
+def _code_strings(tree: ast.AST) -> list[str]:
+    """String constants outside docstrings (an f-string's literal parts included)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_resident_memory_is_read_in_one_place():
+    paths = [*ROOT.rglob("*.py"), *_outside_files()]  # the package, its tests, benchmarks and scripts
+    found = sorted(f"{path.relative_to(REPO)}: {text!r}" for path in paths if path != ROOT / "processes.py"
+                   for text in _code_strings(ast.parse(path.read_text())) if any(r in text for r in RSS_READS))
     assert found == []

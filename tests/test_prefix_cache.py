@@ -106,6 +106,20 @@ def test_memory_stays_within_the_budget(model):
     assert not engine.runner.trails
 
 
+def test_auto_takes_the_commands_budget_and_the_default_keeps_none(model, monkeypatch):
+    """Engine(prefix_cache_bytes="auto") takes what `dgemma serve`, `chat` and `generate` take without
+    --prefix-cache-gib: a quarter of the memory free on the model's device, at most 16 GiB; 0, the default,
+    keeps no cache."""
+    from dgemma import devices
+
+    free = {"bytes": 3 << 30}
+    monkeypatch.setattr(devices, "free_memory_bytes", lambda device: free["bytes"])
+    assert Engine(model, max_batch=1, max_length=64, prefix_cache_bytes="auto").prefix_cache.budget_bytes == 3 << 28
+    free["bytes"] = 100 << 30
+    assert Engine(model, max_batch=1, max_length=64, prefix_cache_bytes="auto").prefix_cache.budget_bytes == 16 << 30
+    assert Engine(model, max_batch=1, max_length=64).prefix_cache is None
+
+
 def test_rewinding_a_row_restores_its_ring_and_length(model):
     """The cache undoes a partial span: after `save_overwritten`, an encode and `rewind`, the row's ring
     slots (wrapped: 10 tokens in 7 slots, then 5 more), positions and length are as before, bit for bit."""

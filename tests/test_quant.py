@@ -22,10 +22,10 @@ from dgemma.quant.quantize import (
     QuantExperts,
     QuantLinear,
     dequantize_tensor,
+    loaded_weight_bytes,
     quantize_model,
     quantize_tensor,
     use_cpu_int4_kernel,
-    weight_bytes,
 )
 from dgemma.training.weights import meta_model
 from dgemma.weights.checkpoint import CheckpointError
@@ -112,7 +112,7 @@ def test_quantised_logits_cosine(trained_tiny, fmt, min_cos):
         cos = F.cosine_similarity(a, b, dim=-1)  # per position
         assert cos.mean() >= min_cos, cos
     embed = dense.embed_tokens.weight.numel() * 4  # the tied embedding stays in the model dtype
-    ratio = (weight_bytes(quant) - embed) / (weight_bytes(dense) - embed)
+    ratio = (loaded_weight_bytes(quant) - embed) / (loaded_weight_bytes(dense) - embed)
     assert ratio < (0.35 if fmt == "int8" else 0.25), ratio
 
 
@@ -130,7 +130,7 @@ def test_quantised_checkpoint_loads_as_saved(tmp_path, hf_checkpoints, capsys, f
     calls = formats.dequantize_calls
     saved = dgemma.load_model(out, dtype=torch.bfloat16)
     assert saved.quantization == fmt and formats.dequantize_calls == calls  # read, not quantised again
-    assert weight_bytes(saved) == weight_bytes(direct)
+    assert loaded_weight_bytes(saved) == loaded_weight_bytes(direct)
     assert saved.layers[0].experts.kernel_layout == direct.layers[0].experts.kernel_layout == (fmt == "int4")
     assert set(saved.load_report.values()) == {"read"}  # every stored tensor has a place
     assert torch.equal(_step_logits(saved), _step_logits(direct))

@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from dgemma.processes import resident_memory
+
 API_KEY = "sk-test-key"
 MODEL = "tiny"
 
@@ -57,11 +59,7 @@ class ServerProcess:
         return self.proc.pid
 
     def rss_bytes(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        return resident_memory(self.pid)["rss"]
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()

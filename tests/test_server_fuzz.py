@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 
-from dgemma.serving import responses  # noqa: E402
+from dgemma.serving import errors, responses  # noqa: E402
 from tests.test_server import API_KEY, MODEL, ServerProcess  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DGEMMA_FUZZ_EXAMPLES", "40"))
@@ -75,7 +75,7 @@ def _prepare(body):
 def _error_shape(payload) -> str | None:
     """Why `payload` is not {"error": {"message": str, "type": str, "param", "code"}}, or None."""
     try:
-        responses.ErrorResponse.model_validate(payload)
+        errors.ErrorResponse.model_validate(payload)
     except Exception as e:  # pydantic's message says which part
         return f"not OpenAI's error shape: {payload!r}: {e}"
     return None

@@ -157,7 +157,7 @@ def test_an_internal_error_is_a_500_that_keeps_the_connection():
     import uvicorn
     from fastapi import FastAPI
 
-    from dgemma.serving.middleware import InternalErrors
+    from dgemma.serving.errors import InternalErrors
 
     app = FastAPI()
     app.add_middleware(InternalErrors)
@@ -200,7 +200,7 @@ def test_bodies_carry_the_fields_given_and_none_left_out():
     """The response models build the bodies: a null that was given stays, an optional field not given is
     absent (no `usage` on a content chunk, no `dgemma_draft` off a draft), and a task's verdict stays in
     `dgemma` before `choices`."""
-    from dgemma.serving.responses import ChunkWriter, usage
+    from dgemma.serving.chunk_writer import ChunkWriter, usage
 
     chat = ChunkWriter(chat=True, model="m")
     assert chat.text("hi", index=1)["choices"] == [{"index": 1, "delta": {"content": "hi"}, "finish_reason": None}]

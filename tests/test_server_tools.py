@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from dgemma.serving.engine_inputs import template_messages, template_variables
 from dgemma.serving.requests import ChatCompletionRequest
 from dgemma.tokenizer import Tokenizer
 from test_server import MODEL, ServerProcess
@@ -63,7 +64,7 @@ def tokenizer(gemma4_chat_model_dir):
 
 def _prompt(tokenizer, body: dict) -> str:
     request = ChatCompletionRequest.model_validate({"model": MODEL, **body})
-    return tokenizer.render_chat(request.chat(), add_generation_prompt=True, **request.template_kwargs())
+    return tokenizer.render_chat(template_messages(request), add_generation_prompt=True, **template_variables(request))
 
 
 # -- what the template sees -----------------------------------------------------------------------------

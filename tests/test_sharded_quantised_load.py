@@ -29,11 +29,11 @@ CONFIG = ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=1024, 
 CHILD = """
 import json, resource, sys, torch
 import dgemma
-from dgemma.quant.quantize import weight_bytes
+from dgemma.quant.quantize import loaded_weight_bytes
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 model = dgemma.load_model(sys.argv[1], dtype=torch.bfloat16, quantize="int8")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"base": base, "peak": peak, "weights": weight_bytes(model)}))
+print(json.dumps({"base": base, "peak": peak, "weights": loaded_weight_bytes(model)}))
 """
 
 

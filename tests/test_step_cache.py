@@ -228,7 +228,7 @@ PUZZLES = [
 
 @pytest.fixture(scope="module")
 def sudoku_model():
-    from dgemma.commands.sudoku import SHIPPED
+    from dgemma.tasks.sudoku_models import SHIPPED
 
     return dgemma.load_model(SHIPPED)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.commands.sudoku import SHIPPED
+from dgemma.tasks.sudoku_models import SHIPPED
 from dgemma.tasks import sudoku as S
 
 ROOT = SHIPPED.parent.parent.parent

@@ -20,6 +20,23 @@ class PromptError(ValueError):
     """The prompt cannot be turned into token ids (the message says why); the client gets a 400."""
 
 
+def user_content(text: str, images: int = 0):
+    """A user turn's content for the chat template: the text, after one image part per image."""
+    return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
+
+
+def encode_prompt(tokenizer, text: str, chat: bool, images: int = 0, placeholder: str | None = None) -> list[int]:
+    """A prompt's token ids with one image placeholder per image (`placeholder`: its text,
+    `dgemma.images.image_placeholder`): with `chat`, a user turn of the chat template whose image parts come
+    before the text; else the text, whose placeholders say where the images go, or all of them in front."""
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": user_content(text, images)}],
+                                             add_generation_prompt=True)
+    if images and placeholder not in text:
+        text = placeholder * images + text
+    return tokenizer.encode(text)
+
+
 class Codec:
     """Prompts in (`encode_text`, `encode_chat`, `check_ids`), answers out (`decode`, `piece` for one
     draft token, `check_answer` for what the task can say of a finished answer)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -157,11 +158,6 @@ def compile_mode(args, model) -> str:
     return policy.resolve_mode(getattr(args, "compile_mode", "auto"), model.device)
 
 
-def engine_shape(max_batch: int, max_length: int) -> str:
-    """The label of an engine's shape for the compile cache's warm marker (`policy.warm_key`)."""
-    return f"batch {max_batch}, length {max_length}"
-
-
 def maybe_compile(args, model, shape: str | None = None, *, announce: bool = True):
     """`compile_model(model)` when the policy says so (see `wants_compile`; on a split model, rank 0's answer on
     every rank, which compile alike), after one line on stderr that says the choice and why ("step: eager
@@ -312,6 +308,37 @@ def read_prompt(text: str | None) -> str:
     return text
 
 
+@contextlib.contextmanager
+def image_usage_errors(what: str = ""):
+    """An image the user gave that cannot be used (`dgemma.images.ImageError` inside) is a usage error: one
+    line, `what` before the reason, exit code 2."""
+    from dgemma.images import ImageError
+
+    try:
+        yield
+    except ImageError as e:
+        raise UsageError(f"{what}{e}") from None
+
+
+def open_images(paths: list[str]) -> list:
+    """Image files (--image, chat's /image) as RGB images; an unusable one is a usage error naming it."""
+    from dgemma.images import open_image
+
+    images = []
+    for path in paths:
+        with image_usage_errors(f"--image {path}: "):
+            images.append(open_image(path))
+    return images
+
+
+def with_images(model, folder, prompt: list[int], images: list):
+    """The prompt with its image placeholders expanded, and the images' inputs (None without images)."""
+    from dgemma.images import ImageProcessor, prompt_with_images
+
+    with image_usage_errors():
+        return prompt_with_images(prompt, images, ImageProcessor.from_folder(folder), model.config)
+
+
 def add_prefix_cache_arguments(p):
     """--prefix-cache-gib and --prefill-chunk (serve, chat, generate)."""
     p.add_argument("--prefix-cache-gib", type=non_negative_float, default=None, metavar="GIB",
@@ -331,33 +358,17 @@ def add_prefix_cache_arguments(p):
                         "some cost in speed")
 
 
-def free_memory_bytes(device) -> int:
-    """Memory free for new tensors on the model's device: CUDA's free memory, else the host's available
-    memory (`devices.available_host_memory`)."""
-    import torch
-
-    from dgemma import devices
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return devices.available_host_memory()
-
-
 def prefix_cache_bytes(args, model, command: str, say: bool = True) -> int:
-    """The prefix cache's budget from --prefix-cache-gib, or the default, said on stderr when `say`."""
+    """The prefix cache's budget from --prefix-cache-gib, or the library's default
+    (`dgemma.engine.prefix_cache.default_budget`), said on stderr when `say`."""
+    from dgemma.engine.prefix_cache import default_budget
+
     if args.prefix_cache_gib is not None:
         return int(args.prefix_cache_gib * 2**30)
-    budget = min(free_memory_bytes(model.device) // 4, 16 << 30)
-    tp = getattr(args, "tp", None)
-    if tp is not None:  # the ranks of a split model hold the same blocks: every rank takes the smallest budget
-        import torch
-        import torch.distributed as dist
-
-        smallest = torch.tensor([budget], dtype=torch.int64, device=model.device)
-        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp.group)
-        budget = int(smallest.item())
+    budget = default_budget(model)  # on a split model, a collective: every rank asks
     if say:
-        memory = "a quarter of the free memory" + (", the smallest over the ranks" if tp is not None else "")
+        split = getattr(model, "tp", None) is not None
+        memory = "a quarter of the free memory" + (", the smallest over the ranks" if split else "")
         print(f"dgemma {command}: prefix cache {budget / 2**30:.1f} GiB ({memory}; "
               f"--prefix-cache-gib to change, 0 turns it off)", file=sys.stderr)
     return budget

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dgemma.commands._common import UsageError, agree  # noqa: F401  (agree: generate's and chat's name for it)
+from dgemma.commands._common import UsageError, agree
 
 MONITOR_S = 3.0
 

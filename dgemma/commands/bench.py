@@ -19,6 +19,7 @@ from dgemma.commands._common import (
     apply_int8_compute,
     compile_mode,
     plot_file,
+    require_extra,
     step_cache_overrides,
     wants_compile,
 )
@@ -103,7 +104,7 @@ def _sampling_configs(args, model, new_tokens: int, never: tuple):
 def run(args):
     import torch
 
-    from dgemma.commands import bench_timing as timing
+    from dgemma.benchmarking import timing
     from dgemma.compilation.steps import compile_model, is_compiled
     from dgemma.generation.canvas import positions_needed
     from dgemma.quant import kernels
@@ -180,7 +181,7 @@ def run(args):
     if args.startup:
         print("  start-up: fresh processes to the first canvas (eager; compiled, cold cache; compiled, warm)",
               file=sys.stderr)
-        startup = timing.measure_startup(args, device, dtype, compile_mode(args, model), new_tokens)
+        startup = _startup(args, device, dtype, compile_mode(args, model))
     ran["load_average"]["after"] = kernels.load_average()
     _table(rows)
     if startup:
@@ -235,31 +236,38 @@ def _what_runs_lines(ran: dict) -> list[str]:
 def _model(args, device, dtype):
     """The model to bench and its name: a folder, or a preset with random weights."""
     import dgemma
+    from dgemma.benchmarking.models import preset_model
 
     if args.model:
         return dgemma.load_model(args.model, device=device, dtype=dtype, quantize=args.quantize), args.model
-    from dgemma.weights.random_weights import random_model
-
-    # made on the device in the dtype, tensor by tensor (quantised ones directly in int8 / int4)
-    config = dgemma.get_preset(args.config)
-    if args.layers is not None:
-        if not 1 <= args.layers <= config.num_layers:
-            raise UsageError(f"--layers takes 1 to {config.num_layers} for {args.config}, not {args.layers}")
-        config = config.replace(num_layers=args.layers, layer_types=config.layer_types[: args.layers])
-    model = random_model(config, device=device, dtype=dtype, quantize=args.quantize, seed=args.seed)
+    try:
+        model = preset_model(args.config, layers=args.layers, device=device, dtype=dtype, quantize=args.quantize,
+                             seed=args.seed)
+    except ValueError as e:  # --layers out of range
+        raise UsageError(f"--layers {e}") from None
     layers = "" if args.layers is None else f", first {args.layers} layers"
     return model, f"preset {args.config}{layers} (random weights)"
+
+
+def _startup(args, device: str, dtype, mode: str) -> dict:
+    """Fresh processes to the first canvas: the bench's model, prompt length and steps (`measure_startup`)."""
+    from dgemma.benchmarking.startup import measure_startup
+
+    return measure_startup(model=args.model, config=args.config, layers=args.layers, device=device, dtype=dtype,
+                           quantize=args.quantize, cpu_int8_compute=args.cpu_int8_compute, mode=mode,
+                           steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)
 
 
 def _transformers_model(args, model, dtype, device):
     """transformers' DiffusionGemma with the same weights (dense ones for a quantised model)."""
     import torch
 
-    from dgemma.commands import bench_timing as timing
+    from dgemma.benchmarking import timing
 
     if model.quantization and not args.quantize:
         raise UsageError(f"{args.model} is stored in {model.quantization}, which transformers cannot load: add "
                          f"--no-transformers, or bench the unquantised folder with --quantize")
+    require_extra("transformers", "bench", "the transformers comparison (skip it with --no-transformers)")
     if args.quantize:
         print("note: transformers runs unquantised weights" + ("" if args.model else " (dense random ones of the "
               "same shape)"), file=sys.stderr)

@@ -9,16 +9,7 @@ import json
 import sys
 import time
 
-
-def _memory() -> dict:
-    """This process's resident memory now, at its peak, and its private part now (VmRSS, VmHWM, RssAnon:
-    the RSS also counts the checkpoint's file pages while a shard is mapped), bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return {"rss": out.get("VmRSS", 0), "peak_rss": out.get("VmHWM", 0), "private": out.get("RssAnon", 0)}
+from dgemma.processes import resident_memory
 
 
 def _load(args, device, dtype):
@@ -55,9 +46,9 @@ def run_split(args, batches: list[int], device, dtype) -> int:
         dgemma.DiffusionGemma(dgemma.get_preset("tiny"))
     tp = getattr(args, "tp", None)
     ranks, rank = (tp.ranks, tp.rank) if tp is not None else (1, 0)
-    before = _memory()
+    before = resident_memory()
     model = _load(args, device, dtype)
-    loaded = _memory()
+    loaded = resident_memory()
     c = model.config
     fmt = args.quantize or "bf16"
     plan = plan_bytes(c, ranks)[fmt] * (2 if dtype == torch.float32 and not args.quantize else 1)
@@ -81,7 +72,7 @@ def run_split(args, batches: list[int], device, dtype) -> int:
         rows.append({"batch": batch, "tokens_per_s": sum(len(r.tokens) for r in requests) / best, "seconds": best})
     memory = [{"rank": rank, "rss_before_load": before["rss"], "rss_after_load": loaded["rss"],
                "peak_rss_after_load": loaded["peak_rss"], "private_growth": loaded["private"] - before["private"],
-               "peak_rss_end": _memory()["peak_rss"]}]
+               "peak_rss_end": resident_memory()["peak_rss"]}]
     if tp is not None:
         import torch.distributed as dist
 

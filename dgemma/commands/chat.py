@@ -17,10 +17,15 @@ from dgemma.commands._common import (
     add_model_arguments,
     add_prefix_cache_arguments,
     add_sampling_arguments,
+    agree,
+    image_usage_errors,
     load_from_args,
+    open_images,
     prefix_cache_bytes,
     sampling_from_args,
+    with_images,
 )
+from dgemma.commands._terminal import DraftView
 
 
 def add_arguments(p):
@@ -84,9 +89,9 @@ def next_prompt(tokenizer, messages: list[dict], template_kwargs: dict, last) ->
 def run(args):
     import rich.console
 
-    from dgemma.chat.codec import TextCodec
-    from dgemma.commands.generate import DraftView, image_placeholder, open_images, user_content, with_images
+    from dgemma.chat.codec import TextCodec, user_content
     from dgemma.engine import Engine, Request
+    from dgemma.images import image_placeholder
     from dgemma.tokenizer import Tokenizer
 
     model = load_from_args(args, announce=False)  # compiled by default: stderr stays the conversation's
@@ -103,13 +108,13 @@ def run(args):
     codec = TextCodec(tokenizer, model.config.vocab_size)
     template_kwargs = {"enable_thinking": True} if args.think else {}
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = _tensor_parallel.agree(args, sys.stdin.isatty)  # rank 0 reads; every rank runs each turn
+    interactive = agree(args, sys.stdin.isatty)  # rank 0 reads; every rank runs each turn
     images, attached = [], []  # every image of the conversation, in order; those for the next message
     turn, last = 0, None
     while True:
         if interactive:
             console.print("[bold]you>[/] ", end="")
-        line = _tensor_parallel.agree(args, sys.stdin.readline)
+        line = agree(args, sys.stdin.readline)
         if not line:  # end of input
             return 0
         if not line.strip():
@@ -119,7 +124,8 @@ def run(args):
         command, _, path = line.strip().partition(" ")
         if command == "/image":
             try:
-                image_placeholder(model, tokenizer)
+                with image_usage_errors():
+                    image_placeholder(model, tokenizer)
                 if not path.strip():
                     raise UsageError("/image needs the path of an image file")
                 attached += open_images([path.strip()])

@@ -12,15 +12,19 @@ from dgemma.commands._common import (
     add_model_arguments,
     add_prefix_cache_arguments,
     add_sampling_arguments,
-    engine_shape,
+    agree,
     check_compile_flags,
+    image_usage_errors,
     load_from_args,
     maybe_compile,
+    open_images,
     prefix_cache_bytes,
     read_prompt,
     refuse_step_cache_with_ar,
     sampling_from_args,
+    with_images,
 )
+from dgemma.commands._terminal import DraftView
 
 
 def add_arguments(p):
@@ -59,91 +63,17 @@ class TextStream:
         self.printed = text
 
 
-class DraftView:
-    """The canvas as coloured tokens: green accepted this step, yellow→red by entropy (rich Live)."""
-
-    def __init__(self, tokenizer, console):
-        from rich.live import Live
-
-        self.tokenizer, self.console = tokenizer, console
-        self.live = Live(console=console, refresh_per_second=12, transient=True)
-
-    def __enter__(self):
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.live.__exit__(*exc)
-
-    def update(self, event):
-        from rich.text import Text
-
-        text = Text()
-        text.append(f"canvas {event.canvas_index} step {event.step + 1}\n", style="bold")
-        for token, entropy, accepted in zip(event.tokens, event.entropy, event.accepted):
-            piece = self.tokenizer.decode([token], skip_special_tokens=False) or "·"
-            style = "green" if accepted else ("yellow" if entropy < 1.0 else "red")
-            text.append(piece.replace("\n", "⏎"), style=style)
-        self.live.update(text)
-
-
-def user_content(text: str, images: int = 0):
-    """A user turn's content for the chat template: the text, after one image part per image."""
-    return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
-
-
-def encode_prompt(tokenizer, text: str, chat: bool, images: int = 0, placeholder: str | None = None) -> list[int]:
-    """The prompt's token ids, with one image placeholder per image: image content parts before the text
-    of the user turn (--chat), else the placeholders the text writes, or all of them in front of it."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": user_content(text, images)}],
-                                             add_generation_prompt=True)
-    if images and placeholder not in text:
-        text = placeholder * images + text
-    return tokenizer.encode(text)
-
-
-def open_images(paths: list[str]) -> list:
-    """--image files as RGB images; an unusable one is a usage error naming it."""
-    from dgemma.images import ImageError, open_image
-
-    images = []
-    for path in paths:
-        try:
-            images.append(open_image(path))
-        except ImageError as e:
-            raise UsageError(f"--image {path}: {e}") from None
-    return images
-
-
-def image_placeholder(model, tokenizer) -> str:
-    """The text of the model's image placeholder token; a usage error for a model that reads no images."""
-    if model.vision_tower is None:
-        raise UsageError("this model has no vision tower: it cannot read images")
-    placeholder = tokenizer.backend.id_to_token(model.config.image_token_id)
-    if placeholder is None:
-        raise UsageError(f"the tokenizer has no token for the image placeholder id {model.config.image_token_id}")
-    return placeholder
-
-
-def with_images(model, folder, prompt: list[int], images: list):
-    """The prompt with its image placeholders expanded, and the images' inputs (None without images)."""
-    from dgemma.images import ImageError, ImageProcessor, prompt_with_images
-
-    try:
-        return prompt_with_images(prompt, images, ImageProcessor.from_folder(folder), model.config)
-    except ImageError as e:
-        raise UsageError(str(e)) from None
-
-
 def run(args):
+    from dgemma.chat.codec import encode_prompt
+    from dgemma.compilation.policy import engine_shape
     from dgemma.engine import Engine, Request
     from dgemma.generation.canvas import positions_needed
+    from dgemma.images import image_placeholder
     from dgemma.sampling import seed_or_random
     from dgemma.tokenizer import Tokenizer
 
     refuse_step_cache_with_ar(args)
-    text = _tensor_parallel.agree(args, lambda: read_prompt(args.prompt))
+    text = agree(args, lambda: read_prompt(args.prompt))
     tokenizer = Tokenizer.from_folder(args.model)
     constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema or image fails at once
     images = open_images(args.image)
@@ -152,7 +82,8 @@ def run(args):
     check_compile_flags(args)
     model = load_from_args(args, compile=False)  # compiled below, once its shape is known
     sampling = sampling_from_args(model, args)
-    placeholder = image_placeholder(model, tokenizer) if images else None
+    with image_usage_errors():
+        placeholder = image_placeholder(model, tokenizer) if images else None
     prompt = encode_prompt(tokenizer, text, args.chat, len(images), placeholder)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
@@ -187,7 +118,7 @@ def run(args):
                 view.live.update("")
             stream.add(event.tokens)
 
-    seed = _tensor_parallel.agree(args, lambda: seed_or_random(sampling.seed))  # rank 0's draw, on every rank
+    seed = agree(args, lambda: seed_or_random(sampling.seed))  # rank 0's draw, on every rank
     request = Request(prompt=prompt, sampling=sampling, seed=seed, want_drafts=view is not None, on_event=on_event,
                       constraint=constraint, images=image_inputs)
     try:

@@ -11,9 +11,6 @@ import json
 from dgemma.commands._common import UsageError, add_revision_argument
 from dgemma.config import ModelConfig, get_preset
 
-BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
-GROUP_SIZE = {"bf16": 1, "int8": 64, "int4": 32}  # as dgemma.quant.quantize; one fp16 scale per group
-
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group(required=True)
@@ -40,64 +37,15 @@ def add_arguments(p):
     t.add_argument("--activation-checkpointing", action="store_true")
 
 
-def weight_bytes(config: ModelConfig, fmt: str) -> int:
-    """Bytes of weights as `dgemma.quant.quantize` stores them: every linear and the fused experts quantised
-    group-wise (+ one fp16 scale per group); the tied embedding / LM head, router, norms and the vision
-    tower kept bf16."""
-    counts = config.param_counts()
-    vision = counts.get("vision", 0)
-    if fmt == "bf16":
-        return int((counts["total"] + vision) * 2)
-    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size  # + SC pre-norm
-    quantised = counts["total"] - kept
-    return int(quantised * BYTES_PER_WEIGHT[fmt] + quantised / GROUP_SIZE[fmt] * 2 + (kept + vision) * 2)
-
-
-def weight_arithmetic(config: ModelConfig, fmt: str) -> str:
-    counts = config.param_counts()
-    if fmt == "bf16":
-        return f"{(counts['total'] + counts.get('vision', 0)) / 1e9:.3f}B x 2 B"
-    kept = counts["embedding"] + counts["router"] + counts["norms"] + config.hidden_size + counts.get("vision", 0)
-    quantised = counts["total"] - kept
-    per = BYTES_PER_WEIGHT[fmt] + 2 / GROUP_SIZE[fmt]
-    return (f"{quantised / 1e9:.3f}B quantised x ({BYTES_PER_WEIGHT[fmt]} B + one 2 B scale per {GROUP_SIZE[fmt]} "
-            f"= {per:.4f} B) + {kept / 1e9:.3f}B kept bf16 (embedding/LM head, routers, norms, vision tower) x 2 B")
-
-
-def memory_model(config: ModelConfig, fmt: str, batch: int, context: int) -> dict:
-    """A worked memory budget for generation: weights + KV cache + sampler buffers."""
-    kv_full_per_token = sum(
-        config.layer_kv_heads(i) * config.layer_head_dim(i) for i in range(config.num_layers) if not config.is_sliding(i)
-    )  # K = V on full layers: stored once
-    kv_sliding_per_token = sum(
-        2 * config.layer_kv_heads(i) * config.layer_head_dim(i) for i in range(config.num_layers) if config.is_sliding(i)
-    )
-    # as dgemma's KVCache lays it out: sliding layers a ring of window - 1 slots, full layers one slot per
-    # position, and both one canvas of slots the decoder writes its own keys into
-    ring = min(context, config.sliding_window - 1)
-    canvas = config.canvas_length
-    kv_bytes = 2 * batch * (kv_full_per_token * (context + canvas) + kv_sliding_per_token * (ring + canvas))  # bf16
-    logits_buffer = batch * config.canvas_length * config.vocab_size * 4  # one fp32 (B, L, V) buffer
-    weights = weight_bytes(config, fmt)
-    return {
-        "format": fmt,
-        "batch": batch,
-        "context": context,
-        "weight_bytes": weights,
-        "kv_bytes_per_token_bf16": 2 * (kv_full_per_token + kv_sliding_per_token),
-        "kv_cache_bytes": kv_bytes,
-        "sampler_buffer_bytes": logits_buffer,
-        "total_bytes": weights + kv_bytes + logits_buffer,
-    }
-
-
 def summary(config: ModelConfig) -> dict:
+    from dgemma.engine.memory import WEIGHT_FORMATS, planned_weight_bytes
+
     counts = config.param_counts()
     return {
         "total_params": counts["total"],
         "active_params": counts["active"],
         "vision_params": counts.get("vision", 0),
-        "weight_bytes": {fmt: weight_bytes(config, fmt) for fmt in BYTES_PER_WEIGHT},
+        "weight_bytes": {fmt: planned_weight_bytes(config, fmt) for fmt in WEIGHT_FORMATS},
         "params_by_group": {k: v for k, v in counts.items() if k not in ("total", "active", "vision")},
     }
 
@@ -147,6 +95,7 @@ def print_training_plan(plan: dict):
 
 
 def run(args):
+    from dgemma.engine.memory import generation_memory, kv_cache, weight_arithmetic
 
     if args.batch < 1 or args.context < 1:
         raise UsageError("--batch and --context must be >= 1")
@@ -166,7 +115,7 @@ def run(args):
         name = args.preset
         args.quantize = args.quantize or "bf16"
     info = summary(config)
-    mem = memory_model(config, args.quantize, args.batch, args.context)
+    mem = generation_memory(config, args.quantize, args.batch, args.context)
     c = config
     print(f"model            {name}")
     print(f"layers           {c.num_layers} ({c.layer_types.count('sliding_attention')} sliding window {c.sliding_window}, "
@@ -194,10 +143,11 @@ def run(args):
               f"{v.pooling_kernel_size}x{v.pooling_kernel_size} into soft tokens")
     for fmt, n in info["weight_bytes"].items():
         print(f"weights {fmt:<8} {_gb(n)}")
+    cache = kv_cache(config, 1, args.context)  # its layout: what a sliding layer's ring holds
     print(f"memory model     {args.quantize} weights, batch {args.batch}, context {args.context}:")
     print(f"  weights        {_gb(mem['weight_bytes'])}  = {weight_arithmetic(config, args.quantize)}")
     print(f"  KV cache       {_gb(mem['kv_cache_bytes'])}  ({mem['kv_bytes_per_token_bf16']:,} B/token bf16, "
-          f"sliding layers hold {min(args.context, c.sliding_window - 1)} tokens, plus {c.canvas_length} canvas slots per layer)")
+          f"sliding layers hold {cache.capacity[True]} tokens, plus {cache.canvas_slots} canvas slots per layer)")
     print(f"  sampler buffer {_gb(mem['sampler_buffer_bytes'])}  (one fp32 batch x {c.canvas_length} x {c.vocab_size:,})")
     print(f"  total          {_gb(mem['total_bytes'])}")
     split = tensor_parallel_plan(config, args) if args.tensor_parallel else None

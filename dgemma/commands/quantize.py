@@ -30,12 +30,12 @@ def run(args):
     import torch
 
     import dgemma
-    from dgemma.quant.quantize import weight_bytes
+    from dgemma.quant.quantize import loaded_weight_bytes
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     # dgemma's layout, not the CPU int4 kernel's: that is what a saved folder holds
     model = dgemma.load_model(args.model, dtype=dtype, quantize=args.format, revision=args.revision,
                               cpu_int4_kernel=False)
     dgemma.save_pretrained(model, args.out, max_shard_bytes=args.shard_size)
-    print(f"{args.model} -> {args.out}: {args.format}, {weight_bytes(model) / 2**20:,.1f} MiB of weights")
+    print(f"{args.model} -> {args.out}: {args.format}, {loaded_weight_bytes(model) / 2**20:,.1f} MiB of weights")
     return 0

@@ -7,6 +7,7 @@ server from them and runs it (serving/replicas.py the replicas)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,9 @@ def run(args):
 
 
 def settings(args):
-    """The flags as the server's settings (dgemma/serving/server.py)."""
+    """The flags as the server's settings (dgemma/serving/server.py), with the codec of the model's task."""
     from dgemma.serving.server import ServerSettings
+    from dgemma.tasks import read_task, task_codec
 
     domains = frozenset(d.strip().lower() for d in args.allowed_image_domains.split(",") if d.strip())
     return ServerSettings(
@@ -108,8 +110,9 @@ def settings(args):
         automaton_cache=None if args.automaton_cache.lower() == "none" else args.automaton_cache,
         prebuild_json_object=args.prebuild_json_object, lora=tuple(args.lora), shutdown_grace=args.shutdown_grace,
         log_level=args.log_level, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
-        tp=getattr(args, "tp", None), replicas=args.replicas, ray_address=args.ray_address,
-        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device,
+        codec=functools.partial(task_codec, read_task(args.model)), tp=getattr(args, "tp", None),
+        replicas=args.replicas, ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica, device=args.device,
         step_cache=step_cache_overrides(args), tensor_parallel=args.tensor_parallel,
         command_line=tuple(getattr(args, "argv", ())))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -15,14 +14,12 @@ from dgemma.commands._common import (
     add_revision_argument,
     apply_int8_compute,
     denoising_overrides,
-    engine_shape,
     maybe_compile,
     plot_file,
     refuse_step_cache_with_ar,
 )
+from dgemma.tasks.sudoku_models import SHIPPED, SHIPPED_AR
 
-SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "sudoku"
-SHIPPED_AR = SHIPPED.parent / "sudoku-ar"  # the AR baseline: same data, size and steps, next-token loss
 # An easy puzzle (43 givens) generated for the demo with its own seed (2026), not one of the held-out
 # test or validation puzzles.
 SAMPLE_PUZZLE = "308150070907342000512086930070600420605408009024070563701060090003200050296000000"
@@ -93,44 +90,20 @@ def run(args):
 
 # -- prepare ---------------------------------------------------------------------------------------
 def _prepare(args):
-    from dgemma.tasks import sudoku
-    from dgemma.tasks.sudoku_symmetry import random_transform
+    from dgemma.tasks.sudoku_prepare import prepare, set_sizes
 
-    low_augment = args.augment if args.low_augment is None else args.low_augment
-    counts = (args.augment, args.per_bucket, args.validation, args.low_train, low_augment, args.minimal or 0,
+    counts = (args.augment, args.per_bucket, args.validation, args.low_train,
+              args.augment if args.low_augment is None else args.low_augment, args.minimal or 0,
               args.minimal_validation or 0)
     if args.train < 1 or min(counts) < 0 or args.workers < 1:
         raise UsageError("--train and --workers must be >= 1; --augment, --per-bucket, --validation, --minimal, "
                          "--low-train and --low-augment >= 0")
-    out = Path(args.out)
-    minimal_test = args.per_bucket if args.minimal is None else args.minimal
-    minimal_val = min(args.validation, minimal_test if args.minimal_validation is None else args.minimal_validation)
-    # the minimal bucket has its own counts (its puzzles cost ~100x more); the other buckets keep theirs
-    sizes = {"test": {**dict.fromkeys(sudoku.BUCKETS, args.per_bucket), "minimal": minimal_test},
-             "validation": {**dict.fromkeys(sudoku.BUCKETS, args.validation), "minimal": minimal_val}}
-    sizes = {k: v if any(v.values()) else 0 for k, v in sizes.items()}
+    sizes = set_sizes(args.per_bucket, args.validation, args.minimal, args.minimal_validation)
     print(f"generating {args.train} training puzzles (+{args.low_train} with 22-27 givens), test and validation "
           f"sets per bucket ({sizes['test']}, {sizes['validation']}) ...", file=sys.stderr)
-    paths = sudoku.write_split(out, n_train=args.train, n_test=0, seed=args.seed, per_bucket=sizes["test"],
-                               validation_per_bucket=sizes["validation"], low_train=args.low_train,
-                               workers=args.workers)
-    train, _ = sudoku.read_puzzle_file(paths["train"])
-    low, _ = sudoku.read_puzzle_file(paths["train_low"]) if "train_low" in paths else ([], [])
-    rng = random.Random(args.seed)
-    lines = 0
-    with open(out / "train.jsonl.tmp", "w") as f:
-        for ex, copies in [(ex, args.augment) for ex in train] + [(ex, low_augment) for ex in low]:
-            variants = [(ex.puzzle, ex.solution)]
-            for _ in range(copies):  # the same transform on puzzle and solution keeps them a pair
-                t = random_transform(rng)
-                variants.append((t.apply(ex.puzzle), t.apply(ex.solution)))
-            for puzzle, solution in variants:
-                f.write(json.dumps({"prompt_ids": sudoku.encode_prompt(puzzle),
-                                    "response_ids": sudoku.encode_solution(solution)}) + "\n")
-                lines += 1
-    (out / "train.jsonl.tmp").rename(out / "train.jsonl")
-    print(json.dumps({"train_puzzles": len(train), "low_train_puzzles": len(low), "train_lines": lines,
-                      **{k: str(v) for k, v in paths.items()}}))
+    paths, written = prepare(args.out, train=args.train, augment=args.augment, sizes=sizes, low_train=args.low_train,
+                             low_augment=args.low_augment, workers=args.workers, seed=args.seed)
+    print(json.dumps({**written, **{k: str(v) for k, v in paths.items()}}))
     return 0
 
 
@@ -138,6 +111,7 @@ def _prepare(args):
 def _load(args):
     import torch
 
+    from dgemma.compilation.policy import engine_shape
     from dgemma.weights.hub import load_model
 
     if args.rounds < 1 or args.candidates < 1:

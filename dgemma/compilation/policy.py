@@ -220,6 +220,11 @@ def training_choice(model_config, *, steps: int, tokens_per_step: int, warm: boo
                          f"--compile to compile anyway")
 
 
+def engine_shape(max_batch: int, max_length: int) -> str:
+    """The label of an engine's shape for the warm marker (`warm_key`)."""
+    return f"batch {max_batch}, length {max_length}"
+
+
 def training_shape(*, objective: str, batch: int, length: int, precision: str, lora: bool) -> str:
     """The label of a training step's shape for the warm marker (`warm_key`, mode "training")."""
     return f"training {objective}, batch {batch}, length {length}, {precision}{', LoRA' if lora else ''}"

@@ -16,7 +16,10 @@ import os
 import sys
 
 # kernels kept per cache: a forward's repeated shapes (the dense layers' q/k/v/o and MLP projections, shared
-# by every layer) stay cached, and the cache holds tens of MiB at most instead of growing with the shapes seen
+# by every layer) stay cached, and the caches stop growing with the shapes seen. An AMX kernel holds ~0.75 MiB
+# (the two caches full: ~190 MiB), an AVX-512 one far less; 32 entries would hold AMX's caches to ~50 MiB but
+# cost a batch of 4 canvases 15% of its speed, its experts' routed-token counts no longer fitting
+# (tests/test_server_memory.py, bench-20m bf16)
 KERNEL_CACHE_ENTRIES = 128
 
 

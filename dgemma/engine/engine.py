@@ -43,6 +43,7 @@ from dgemma.compilation.steps import compiled_function
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read, to_device
 from dgemma.engine.request import Event, Request, ScoreRequest, Status
+from dgemma.engine.prefix_cache import default_budget
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import PrefillPace, Scheduler
 from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
@@ -62,7 +63,7 @@ def _prompt_seed(seeds: list[int] | None, sampling: SamplingConfig, i: int) -> i
 
 class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_length: int | None = None, max_queue: int = 64,
-                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, prefix_cache_bytes: int = 0,
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, prefix_cache_bytes: int | str = 0,
                  prefill_chunk: int | None = None, deterministic: bool = False):
         self.model = model
         self.canvas_length = model.config.canvas_length
@@ -72,6 +73,10 @@ class Engine:
         # (runner.py), so a request's tokens depend on its prompt and seed alone: not on what was cached,
         # how its prompt was chunked or what else runs
         self.deterministic = deterministic
+        # the prefix cache's budget: 0 (the default) keeps no cache, "auto" takes what the commands take
+        # (prefix_cache.default_budget: a quarter of the free memory, at most 16 GiB)
+        if prefix_cache_bytes == "auto":
+            prefix_cache_bytes = default_budget(model)
         self.runner = Runner(model, max_batch, max_length, prefix_cache_bytes,
                              span_tokens=self.canvas_length if deterministic else None)
         # prompt tokens encoded per step (None: the engine's choice, `prefill_budget`)

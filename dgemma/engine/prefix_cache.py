@@ -26,20 +26,47 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK_TOKENS = 16
+# The budget when none is given (`default_budget`): a share of the memory free when the engine starts, capped
+DEFAULT_SHARE = 4  # a quarter
+DEFAULT_MAX_BYTES = 16 << 30
+
+
+def default_budget(model) -> int:
+    """The prefix cache's budget when none is given (`Engine(prefix_cache_bytes="auto")`; the generating
+    commands and the server without --prefix-cache-gib): a quarter of the memory free on the model's device
+    now (`dgemma.devices.free_memory_bytes`), at most 16 GiB. The ranks of a split model hold the same
+    blocks, so each takes the smallest budget over the ranks: a collective that every rank calls."""
+    from dgemma import devices
+
+    budget = min(devices.free_memory_bytes(model.device) // DEFAULT_SHARE, DEFAULT_MAX_BYTES)
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        import torch.distributed as dist
+
+        smallest = torch.tensor([budget], dtype=torch.int64, device=model.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp.group)
+        budget = int(smallest.item())
+    return budget
+
+
+def _counter(doc: str | None = None):
+    """A counter of `PrefixCacheStats`, starting at 0; `doc` says what it counts (the server's /health schema
+    publishes it)."""
+    return field(default=0, metadata={"doc": doc} if doc else {})
 
 
 @dataclass
 class PrefixCacheStats:
     """Counters a /health page or a metrics exporter reads (`as_dict`)."""
 
-    blocks: int = 0  # held now
-    bytes: int = 0  # held now
-    budget_bytes: int = 0
-    lookups: int = 0  # requests that asked
-    hits: int = 0  # requests that took at least one block
-    cached_tokens: int = 0  # prompt tokens taken from the cache, all requests together
-    inserted: int = 0  # blocks stored
-    evictions: int = 0  # blocks dropped for room
+    blocks: int = _counter("blocks held now")
+    bytes: int = _counter("their bytes")
+    budget_bytes: int = _counter()
+    lookups: int = _counter("requests that looked their prompt up")
+    hits: int = _counter("requests that took at least one block")
+    cached_tokens: int = _counter("prompt tokens taken from the cache, all requests")
+    inserted: int = _counter("blocks stored")
+    evictions: int = _counter("blocks dropped for room")
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -11,7 +11,7 @@ import torch
 
 from dgemma.config import ModelConfig
 from dgemma.model.network import DiffusionGemma
-from dgemma.quant.quantize import GROUP_SIZE, group_size
+from dgemma.quant.quantize import FORMATS, bytes_per_weight, group_size
 
 
 class SplitError(ValueError):
@@ -144,9 +144,9 @@ def plan_bytes(config: ModelConfig, ranks: int) -> dict[str, int]:
     stays bf16). Rank 0's share, the largest (uneven MLP splits put the extra groups first)."""
     with torch.device("meta"):
         model = DiffusionGemma(config)
-    cost = {"bf16": 2.0, "int8": 1 + 2 / GROUP_SIZE["int8"], "int4": 0.5 + 2 / GROUP_SIZE["int4"]}  # + fp16 scales
     out = {}
-    for fmt, per_weight in cost.items():
+    for fmt in ("bf16", *FORMATS):
+        per_weight = bytes_per_weight(fmt)  # a quantised weight: its code and its share of its group's scale
         slices = parameter_slices(config, ranks, 0, None if fmt == "bf16" else fmt)
         total = 0.0
         for name, p in model.named_parameters():
@@ -154,6 +154,6 @@ def plan_bytes(config: ModelConfig, ranks: int) -> dict[str, int]:
                 else p.numel()
             quantised = p.dim() >= 2 and "router" not in name and not name.startswith(
                 ("vision_tower", "embed_vision", "embed_tokens"))
-            total += n * per_weight if quantised else 2 * n
+            total += n * (per_weight if quantised else bytes_per_weight("bf16"))
         out[fmt] = round(total)
     return out

@@ -307,9 +307,9 @@ def plan(chosen: list, reserve: int) -> tuple[int, list]:
     bytes left for a step's activations. Every linear layer first (a few percent of the weights, as fast a
     gain as the experts' per layer), then the experts: all of them in dgemma's groups of 32, else in groups
     of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32) where nothing does."""
-    from dgemma import devices
+    from dgemma import devices, processes
 
-    rss = devices.resident_bytes()
+    rss = processes.resident_memory()["rss"]
     ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
     room = ceiling - reserve - rss  # what the hand-over may add
 

@@ -37,6 +37,9 @@ from dgemma.quant.formats import (  # noqa: F401  (the formats' names, read from
     random_quantized,
 )
 
+CODE_BYTES = {"int8": 1.0, "int4": 0.5}  # one weight's code (int4: two codes a byte)
+SCALE_BYTES = 2  # one fp16 scale per group
+
 # Dequantising a whole stack of experts goes through fp32 this many weights at a time.
 DEQUANT_CHUNK_ELEMENTS = 1 << 26
 
@@ -330,8 +333,17 @@ def is_kernel_layout(model: nn.Module) -> bool:
     return any(getattr(module, "kernel_layout", False) for module in model.modules())
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by parameters and buffers (what the weights cost in memory; meta tensors, the shapes of weights
-    a kernel library holds, `dgemma.quant.openvino`, hold none)."""
+def bytes_per_weight(fmt: str) -> float:
+    """What one weight costs stored in `fmt`: "bf16" 2 bytes; "int8" / "int4" its code plus its share of its
+    group's fp16 scale (int8 1 + 2/64 = 1.03125 bytes, int4 0.5 + 2/32 = 0.5625). Every plan of weight bytes
+    from a config asks here (dgemma.engine.memory, dgemma.parallel.plan)."""
+    if fmt == "bf16":
+        return 2.0
+    return CODE_BYTES[fmt] + SCALE_BYTES / GROUP_SIZE[fmt]
+
+
+def loaded_weight_bytes(model: nn.Module) -> int:
+    """Bytes a loaded model's parameters and buffers hold (what its weights cost in memory, measured; meta
+    tensors, the shapes of weights a kernel library holds, `dgemma.quant.openvino`, hold none)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)

@@ -15,8 +15,9 @@ Routes
   POST /v1/chat/completions   messages -> reply, through the model's chat template; user messages may
                               hold images (image_url parts) when the model has a vision tower
 
-Requests are run through the engine by completions.py; every failure a client can cause is a 4xx in OpenAI's
-error shape (responses.py, middleware.py), and the server keeps running.
+A request body is validated by its model (requests.py, request_checks.py), translated into what the engine
+takes (engine_inputs.py) and run through the engine by completions.py; every failure a client can cause is a
+4xx in OpenAI's error shape (errors.py), and the server keeps running.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from dgemma.chat.codec import PromptError
 from dgemma.compilation.steps import is_compiled
 from dgemma.serving import openapi
 from dgemma.serving import responses as bodies
-from dgemma.serving.completions import echo_only, generate, score, tool_constraint
+from dgemma.serving.completions import echo_only, generate, score
+from dgemma.serving.engine_inputs import image_urls, template_messages, template_variables, tool_constraint
+from dgemma.serving.errors import APIError, add_error_handlers, bad_request
+from dgemma.serving.health import Health
 from dgemma.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from dgemma.serving.middleware import JSONBodyRoute, Traffic, TrafficMiddleware, add_error_handlers
+from dgemma.serving.middleware import JSONBodyRoute, Traffic, TrafficMiddleware
 from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from dgemma.serving.responses import APIError, bad_request
 from dgemma.serving.state import ServerState
 
 STATIC = Path(__file__).parent / "static"
@@ -76,13 +79,13 @@ def _add_pages(app: FastAPI, state: ServerState, key):
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.mount("/swagger-ui", StaticFiles(directory=openapi.swagger_ui_folder()), name="swagger-ui")
 
-    @app.get("/health", response_model=None, responses={200: {"model": bodies.Health},
-                                                        503: {"model": bodies.Health, "description": "stopped"}})
+    @app.get("/health", response_model=None, responses={200: {"model": Health},
+                                                        503: {"model": Health, "description": "stopped"}})
     async def health():
         """Whether the engine runs, and its load. No API key needed."""
         ok = state.worker.alive and not state.traffic.draining
         status = "ok" if ok else "draining" if state.traffic.draining else "unavailable"
-        body = bodies.Health(status=status, model=state.model_name, step=_step_kind(state), **state.worker.load())
+        body = Health(status=status, model=state.model_name, step=_step_kind(state), **state.worker.load())
         return JSONResponse(body.wire(), status_code=200 if ok else 503)
 
     @app.get("/metrics", include_in_schema=False, dependencies=[key])
@@ -134,23 +137,22 @@ def _v1_routes(state: ServerState, key) -> APIRouter:
             return await score(state, request, body, prompts, echoes)
         if body.max_tokens == 0:
             return echo_only(state, body, prompts, echoes)
-        return await generate(state, request, body, prompts, body.max_tokens, chat=False,
-                              echoes=echoes if body.echo else None, adapter=adapter)
+        return await generate(state, request, body, prompts, chat=False, echoes=echoes if body.echo else None,
+                              adapter=adapter)
 
     @v1.post("/chat/completions", response_model=None,
              responses=openapi.generation_responses(bodies.ChatCompletion, bodies.ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Messages through the model's chat template (images, tools, thinking), answered by the sampler."""
         adapter = _check_model(state, body.model)
-        template_kwargs = body.template_kwargs()
+        variables = template_variables(body)
         images = await _images(state, body)
-        prompt = _encode(state.codec.encode_chat, body.chat(), template_kwargs)
+        prompt = _encode(state.codec.encode_chat, template_messages(body), variables)
         if images is not None:
             prompt = state.images.expand(prompt, images)
-        constraint = await tool_constraint(state, body, template_kwargs)
-        return await generate(state, request, body, [prompt], body.token_limit, chat=True,
-                              parse_tools=body.tool_mode != "none", constraint=constraint, images=images,
-                              adapter=adapter)
+        constraint = await tool_constraint(state, body, variables)
+        return await generate(state, request, body, [prompt], chat=True, parse_tools=body.tool_mode != "none",
+                              tools_constraint=constraint, images=images, adapter=adapter)
 
     return v1
 
@@ -277,7 +279,7 @@ def _encode(encode, *args) -> list[int]:
 
 async def _images(state: ServerState, body: ChatCompletionRequest):
     """The request's images as the model reads them (dgemma.images.ImageInputs), or None without images."""
-    urls = body.image_urls()
+    urls = image_urls(body)
     if not urls:
         return None
     if state.images is None:

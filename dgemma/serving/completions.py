@@ -1,12 +1,12 @@
-"""A request's run through the engine worker, for the routes of app.py: its sampling and constraint, one
-engine request per prompt and choice, then whole answers or a stream of chunks; scoring and echo-only
-completions too.
+"""A request's run through the engine worker, for the routes of app.py: one engine request per prompt and
+choice, then whole answers or a stream of chunks; scoring and echo-only completions too.
 
-A request becomes one engine request per prompt and choice (`n`, see worker.py); its committed canvases
-become text through `TextAssembler`, a chat answer's text becomes reasoning, content and tool calls through
-`ChatOutput` (dgemma/chat/chat_output.py), its drafts (only when asked for) become `dgemma_draft` chunks (responses.py).
-A constraint (response_format, structured_outputs.regex, a required or named tool_choice) is a token
-automaton that rides along with the engine request.
+What each engine request carries (its sampling config, seed and constraint: a token automaton for
+response_format, structured_outputs.regex or a required or named tool_choice) is engine_inputs.py's
+translation of the request. A request becomes one engine request per prompt and choice (`n`, see worker.py);
+its committed canvases become text through `TextAssembler`, a chat answer's text becomes reasoning, content
+and tool calls through `ChatOutput` (dgemma/chat/chat_output.py), its drafts (only when asked for) become
+`dgemma_draft` chunks (chunk_writer.py).
 """
 
 from __future__ import annotations
@@ -24,92 +24,21 @@ from starlette.background import BackgroundTask
 
 from dgemma.chat.chat_output import ChatOutput
 from dgemma.chat.codec import TextAssembler
-from dgemma.chat.tool_schema import calls_constraint
-from dgemma.config import ConfigError, SamplingConfig
-from dgemma.generation.canvas import most_new_tokens
-from dgemma.sampling import seed_or_random
-from dgemma.serving.requests import ChatCompletionRequest, CompletionRequest
-from dgemma.serving.responses import APIError, ChunkWriter, bad_request, scored_choice, usage
+from dgemma.config import SamplingConfig
+from dgemma.serving.chunk_writer import ChunkWriter, usage
+from dgemma.serving.engine_inputs import answer_constraint, choice_seeds, sampling_for, token_limit
+from dgemma.serving.errors import APIError, bad_request
+from dgemma.serving.legacy_logprobs import scored_choice
+from dgemma.serving.requests import CompletionRequest
 from dgemma.serving.state import ServerState
 from dgemma.serving.worker import EngineWorker, QueueFull, RequestStream
-from dgemma.structured import ConstraintError, SchemaError, VocabularyError
-
-# -- what a request asks of the sampler ---------------------------------------------------------------
-
-def _sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None) -> SamplingConfig:
-    """The model's sampling defaults with the request's overrides, and a length that fits the cache."""
-    L, context, n = state.canvas_length, state.worker.max_length, len(prompt)
-    fixed = state.codec.fixed_max_tokens
-    if fixed is not None:
-        if max_tokens not in (None, fixed):
-            raise bad_request(f"max_tokens: a {state.codec.task} answer is exactly {fixed} tokens", param="max_tokens")
-        max_tokens = fixed
-    whole_canvases = most_new_tokens(n, context, L)  # the engine reserves whole canvases
-    if whole_canvases < 1:
-        raise bad_request(f"the prompt is {n} tokens; the context holds {context}, and a canvas of {L} tokens "
-                          f"must fit after the prompt", param="prompt", code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = min(state.sampling.max_new_tokens, whole_canvases)
-    elif max_tokens > whole_canvases:
-        raise bad_request(f"max_tokens {max_tokens} does not fit: the prompt is {n} tokens, the context holds "
-                          f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
-                          f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
-    eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
-    if body.step_cache and state.worker.model.step_cache_refusal() is not None:
-        raise bad_request(f"step_cache: {state.worker.model.step_cache_refusal()}", param="step_cache")
-    try:
-        return state.sampling.replace(max_new_tokens=max_tokens, max_denoising_steps=body.steps,
-                                      entropy_bound=body.entropy_bound, accept_order=body.accept_order,
-                                      t_min=body.t_min, t_max=body.t_max,
-                                      fixed_steps=body.fixed_steps, step_cache=body.step_cache, eos_token_ids=eos)
-    except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max
-        raise bad_request(str(e)) from None
-
-
-async def tool_constraint(state: ServerState, body: ChatCompletionRequest, template_kwargs: dict):
-    """tool_choice "required" or a named function: the answer must be calls with valid arguments."""
-    if body.tool_mode not in ("required", "named"):
-        return None
-    if state.codec.task != "text":
-        raise bad_request(f"tool_choice: a {state.codec.task} model does not call tools", param="tool_choice")
-    tools = [(f.name, f.parameters) for f in body.allowed_tools()]
-    try:  # built once per set of tools (cached), off the event loop: seconds on a large vocabulary
-        return await asyncio.to_thread(
-            calls_constraint, state.codec.tokenizer, state.codec.vocab_size, tools,
-            several=body.tool_mode == "required" and body.parallel_tool_calls is not False,
-            thought=bool(template_kwargs.get("enable_thinking")))
-    except SchemaError as e:
-        raise bad_request(f"tools: {e}", param="tools", code="unsupported_schema") from None
-    except (VocabularyError, ConstraintError) as e:
-        raise bad_request(f"tool_choice: this model cannot be constrained to Gemma 4's tool calls: {e}",
-                          param="tool_choice") from None
-
-
-async def _constraint_for(state: ServerState, body):
-    """The request's response_format as a token automaton (None for plain text); a schema outside the
-    supported subset is a 400 that names the keyword."""
-    structured = body.structured
-    if structured is None:
-        return None
-    if state.codec.task != "text":
-        raise bad_request(f"response_format: a {state.codec.task} model writes its own answer format; "
-                          f"only {{\"type\": \"text\"}} applies", param="response_format")
-    kind, schema = structured
-    try:  # the first request with a schema builds its automaton: seconds on a large vocabulary
-        return await asyncio.to_thread(state.codec.constraint, kind, schema)
-    except SchemaError as e:
-        raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format",
-                          code="unsupported_schema") from None
-    except ConstraintError as e:
-        field = "structured_outputs" if kind == "regex" else "response_format"
-        raise bad_request(f"{field}: {e}", param=field) from None
-
 
 # -- generation ---------------------------------------------------------------------------------------
 
 @dataclass
-class Choice:
-    """One answer of a request (n > 1: one per seed) and what turns its tokens into output."""
+class ChoiceInProgress:
+    """One choice of a request (n > 1: one per seed) while the engine writes it, and what turns its tokens
+    into output."""
 
     index: int
     stream: RequestStream
@@ -118,20 +47,19 @@ class Choice:
     echo: str = ""  # a completion with echo: the prompt's text, sent first
 
 
-async def generate(state: ServerState, request: Request, body, prompts: list[list[int]], max_tokens: int | None,
-                   *, chat: bool, parse_tools: bool = False, constraint=None, echoes: list[str] | None = None,
-                   images=None, adapter: int = 0):
+async def generate(state: ServerState, request: Request, body, prompts: list[list[int]], *, chat: bool,
+                   parse_tools: bool = False, tools_constraint=None, echoes: list[str] | None = None, images=None,
+                   adapter: int = 0):
     """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
-    text, to send before its choices' own; `images`: a chat prompt's ImageInputs."""
-    samplings = [_sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
-    answer_format = await _constraint_for(state, body)
-    if answer_format is not None and constraint is not None:
-        raise bad_request("tool_choice: a required or named tool_choice writes the answer itself; send "
-                          "tool_choice \"auto\" or \"none\" with a response_format", param="tool_choice")
-    streams = _submit(state, body, prompts, samplings, constraint or answer_format, images, adapter)
+    text, to send before its choices' own; `images`: a chat prompt's ImageInputs; `tools_constraint`: a
+    required or named tool_choice's (engine_inputs.tool_constraint)."""
+    max_tokens = token_limit(body)
+    samplings = [sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
+    constraint = await answer_constraint(state, body, tools_constraint)
+    streams = _submit(state, body, prompts, samplings, constraint, images, adapter)
     decode = state.codec.decode_chat if chat else state.codec.decode
-    choices = [Choice(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
-                      ChatOutput(parse_tools) if chat else None, echoes[i // body.choices] if echoes else "")
+    choices = [ChoiceInProgress(i, stream, TextAssembler(decode, body.stop or [], state.codec.unsettled),
+                                ChatOutput(parse_tools) if chat else None, echoes[i // body.choices] if echoes else "")
                for i, stream in enumerate(streams)]
     writer = ChunkWriter(chat, state.served_name(adapter))
     prompt_tokens = sum(len(p) for p in prompts)
@@ -153,7 +81,7 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
     return writer.response(answers, counts, stats)
 
 
-def _cached_tokens(choices: list[Choice], n: int) -> int:
+def _cached_tokens(choices: list[ChoiceInProgress], n: int) -> int:
     """Prompt tokens read from the prefix cache, each prompt counted once (as prompt_tokens counts it): by
     its first choice."""
     return sum(c.stream.request.cached_tokens for c in choices[::n])
@@ -167,13 +95,13 @@ def _submit(state: ServerState, body, prompts: list[list[int]], samplings: list[
     if n * len(prompts) > state.worker.max_queue:
         raise bad_request(f"at most {state.worker.max_queue} prompts times n choices fit this server's queue",
                           param="n" if len(prompts) == 1 else "prompt")
-    base = seed_or_random(body.seed)
+    seeds = choice_seeds(body)
     streams: list[RequestStream] = []
     with _engine_errors(state):
         try:
             for prompt, sampling in zip(prompts, samplings):
-                for i in range(n):
-                    streams.append(state.worker.submit(prompt, sampling, seed=(base + i) % 2**63,
+                for seed in seeds:
+                    streams.append(state.worker.submit(prompt, sampling, seed=seed,
                                                        constraint=constraint, want_drafts=body.include_drafts,
                                                        images=images, adapter=adapter))
         except BaseException:
@@ -250,7 +178,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[str, object]]:
+async def _outputs(state: ServerState, choice: ChoiceInProgress) -> AsyncIterator[tuple[str, object]]:
     """("draft", payload) / ("content" | "reasoning", text) / ("tool_call", call) / ("end", finish_reason)."""
     stream, assembler, output = choice.stream, choice.assembler, choice.output
     while True:
@@ -279,7 +207,7 @@ async def _outputs(state: ServerState, choice: Choice) -> AsyncIterator[tuple[st
             return
 
 
-async def _answer(state: ServerState, choice: Choice) -> tuple[dict | str, str]:
+async def _answer(state: ServerState, choice: ChoiceInProgress) -> tuple[dict | str, str]:
     """A whole answer: (chat message or completion text, finish reason)."""
     texts, reason = [choice.echo], None
     async for kind, value in _outputs(state, choice):
@@ -313,7 +241,7 @@ async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, ob
             task.cancel()
 
 
-async def _stream_chunks(state, body, choices: list[Choice], writer: ChunkWriter, prompt_tokens: int):
+async def _stream_chunks(state, body, choices: list[ChoiceInProgress], writer: ChunkWriter, prompt_tokens: int):
     try:
         for choice in choices:
             first = writer.first(choice.index)
@@ -359,7 +287,7 @@ def _draft_payload(codec, event) -> dict:
             "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted}
 
 
-def _stats(state: ServerState, choice: Choice) -> dict:
+def _stats(state: ServerState, choice: ChoiceInProgress) -> dict:
     request = choice.stream.request
     stats = {"seed": request.seed, **request.stats()}
     verdict = state.codec.check_answer(request.prompt, choice.assembler.tokens)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 from dgemma.images import DEFAULT_MAX_PIXELS, ImageError, ImageInputs, ImageProcessor, expand_image_tokens, open_image
-from dgemma.serving.responses import bad_request
+from dgemma.serving.errors import bad_request
 
 MAX_REDIRECTS = 3
 PARAM = "messages"

@@ -1,7 +1,7 @@
 """The HTTP layer around the routes: request bodies read as JSON within a size limit, a path parameter for any
-model id, every error as a response in OpenAI's shape (an unexpected exception too: a 500 that keeps the
-connection), and outermost the traffic: each request's id, its access-log line, its counts in /metrics, and
-the gate that answers 503 while the server drains for a graceful stop (lifecycle.py).
+model id, and outermost the traffic: each request's id, its access-log line, its counts in /metrics, and the
+gate that answers 503 while the server drains for a graceful stop (lifecycle.py). Errors in OpenAI's shape,
+and their handlers, are errors.py's.
 
 Request ids: the client's `X-Request-Id` when it sent a usable one (1-128 visible ASCII characters), else
 a new random one; either way the response carries it, and the access log line names it:
@@ -20,18 +20,15 @@ import re
 import secrets
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgemma.serving.errors import APIError, bad_request, error_body
 from dgemma.serving.metrics import ServerMetrics
-from dgemma.serving.responses import APIError, bad_request, error_body, validation_error
 
-log = logging.getLogger("dgemma.serve")
 access_log = logging.getLogger("dgemma.access")
 
 
@@ -103,61 +100,6 @@ class JSONBodyRoute(APIRoute):
 
 def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON")
-
-
-# -- errors in OpenAI's shape -------------------------------------------------------------------------
-
-def add_error_handlers(app: FastAPI):
-    @app.exception_handler(APIError)
-    async def api_error(request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, error: StarletteHTTPException):
-        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return JSONResponse(error_body(message.get(error.status_code, str(error.detail)), kind),
-                            status_code=error.status_code, headers=getattr(error, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, error: RequestValidationError):  # 400 as OpenAI answers, not FastAPI's 422
-        error = validation_error(list(error.errors()))
-        return JSONResponse(error.body(), status_code=error.status)
-
-    app.add_middleware(InternalErrors)
-
-
-class InternalErrors:
-    """An unexpected exception -> a 500 in OpenAI's shape, its traceback in the server's log.
-
-    An ASGI middleware rather than an exception handler for `Exception`: Starlette answers such a handler's
-    500 and then raises the exception again, and uvicorn closes the connection. A client's next request on
-    that kept-alive connection then fails with a connection error (ReadError) instead of being served.
-    Here the 500 is an ordinary response and the connection stays open. An exception after the response
-    has started (mid-stream) still ends the connection: that is the only way left to tell the client."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def send_and_note(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        except Exception as error:
-            if started:
-                raise
-            log.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
-            response = JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"),
-                                    status_code=500)
-            await response(scope, receive, send)
 
 
 # -- traffic: request ids, the access log, /metrics, the drain gate ------------------------------------

@@ -1,9 +1,9 @@
 """What the server answers, as OpenAPI responses, and the pages that publish the API.
 
 Every body of /openapi.json is the pydantic model that makes or reads it: requests the models that validate
-them (requests.py), answers the models the routes build them with (responses.py, OpenAI's error shape
-included). The fuzz test (tests/test_server_fuzz.py) checks every response it provokes against the published
-schemas.
+them (requests.py), answers the models the routes build them with (responses.py, health.py, and errors.py's
+OpenAI error shape). The fuzz test (tests/test_server_fuzz.py) checks every response it provokes against the
+published schemas.
 Streams (`stream: true`) are documented as `text/event-stream`; each event is one of responses.py's chunk models.
 
 /docs is Swagger UI from the swagger-ui-bundle-v2 package, served from this server (no CDN: the server
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from dgemma.serving.responses import ChatCompletionChunk, CompletionChunk, ErrorResponse
+from dgemma.serving.errors import ErrorResponse
+from dgemma.serving.responses import ChatCompletionChunk, CompletionChunk
 
 ERRORS = {
     400: "bad input: a wrong type, a value out of range, malformed JSON, an unsupported field or schema, a prompt "

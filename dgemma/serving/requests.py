@@ -1,6 +1,9 @@
 """The OpenAI-compatible request bodies, validated: the fields every generation request shares,
 /v1/completions' body, /v1/chat/completions' body (messages, their content parts, tools and tool_choice),
-and the tokenizer routes' bodies. Errors, responses and stream chunks are responses.py's.
+and the tokenizer routes' bodies: the one definition of each body's shape, which FastAPI validates the body
+with and /openapi.json publishes. The checks beyond the types (the limits, pre-checks, the role rules, the
+fields accepted but not honoured) are request_checks.py's; what a request becomes for the engine (sampling,
+constraint, seeds, the chat template's input) is engine_inputs.py's; responses are responses.py's.
 
 Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
 not 1), numbers must be finite and inside the ranges below, and the message names the field.
@@ -30,26 +33,21 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from dgemma.config import ACCEPT_ORDERS
-
-MAX_STEPS = 1000
-MAX_STOP_STRINGS = 16
-MAX_CHOICES = 16
-MAX_LOGPROBS = 20  # alternatives per position, as OpenAI caps them
-NO_LOGPROBS = ("logprobs are not available: a diffusion model commits a whole canvas at once, chosen over many "
-               "denoising steps, so its tokens have no left-to-right probabilities to report")
+from dgemma.serving.request_checks import (MAX_CHOICES, MAX_LOGPROBS, MAX_STEPS, MAX_STOP_STRINGS, ROLE_RULES_SCHEMA,
+                                           broken_role_rule, content_parts, json_object_string, not_empty,
+                                           prompt_list, response_format_shape, stop_strings, unsupported_chat,
+                                           unsupported_completion, unsupported_field_error, unsupported_generation)
 
 
 # -- request bodies ------------------------------------------------------------------------------------
 # The models below validate the bodies (FastAPI hands each route its model) and are the OpenAPI schema's
-# request bodies (/openapi.json): one definition for both. Validators that give friendlier messages run
-# before the typed check; what they accept, the types below accept too.
+# request bodies (/openapi.json): one definition for both. The checks they attach (request_checks.py) give
+# friendlier messages before the typed check, and reject what the types allow but the server cannot do.
 
 def strict(tp, **constraints):
     """`tp` checked without coercion ("5" is not 5), inside `constraints` (Field's ge, le, min_length, ...)."""
@@ -65,7 +63,7 @@ Steps = strict(int, ge=1, le=MAX_STEPS)
 Seed = strict(int, ge=0, le=2**63 - 1)
 Temperature = strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
 EntropyBound = strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
-# several stop strings, or one; a list only once validated (see `_stop_strings`)
+# several stop strings, or one; a list only once validated (request_checks.stop_strings)
 StopStrings = Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)], Field(
     description=f"up to {MAX_STOP_STRINGS} strings: the answer ends just before the first match")]
 
@@ -153,46 +151,20 @@ class GenerationFields(BaseModel):
                                           "settled through the decoder (fewer decoder positions, an approximation; "
                                           "default: the server's --step-cache)")
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_strings(cls, value):
-        if value is None:
-            return None
-        values = [value] if isinstance(value, str) else value
-        if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
-            raise ValueError("expected a non-empty string or a list of non-empty strings")
-        if len(values) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        return values
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _response_format(cls, value):
-        """The shape, checked with messages that show it; the typed check follows."""
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise ValueError("expected an object such as {\"type\": \"json_object\"}")
-        kind = value.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
-        if kind == "json_schema":
-            spec = value.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ValueError("json_schema must be an object with a \"schema\" object: "
-                                 "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
-            if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
-                raise ValueError("json_schema.strict must be true or false")
-        return value
+    _stop = field_validator("stop", mode="before")(stop_strings)
+    _response_format = field_validator("response_format", mode="before")(response_format_shape)
 
     @model_validator(mode="after")
     def _supported(self):
         """Fields valid alone that this server cannot honour (together, or at all): a 400 naming the field."""
         problem = self.unsupported()
         if problem:
-            raise PydanticCustomError("unsupported_field", "{field}: {reason}", {"field": problem[0],
-                                                                              "reason": problem[1]})
+            raise unsupported_field_error(problem)
         return self
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, reason) for a field set to something this server cannot do, else None."""
+        return unsupported_generation(self)
 
     @property
     def structured(self) -> tuple[str, dict | str | None] | None:
@@ -204,15 +176,6 @@ class GenerationFields(BaseModel):
         if isinstance(self.response_format, ResponseFormatJSONSchema):
             return "json_schema", self.response_format.json_schema.schema_
         return ("json_object", None) if isinstance(self.response_format, ResponseFormatJSONObject) else None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, reason) for a field set to something this server cannot do, else None."""
-        if self.structured_outputs is not None and self.response_format is not None and \
-                not isinstance(self.response_format, ResponseFormatText):
-            return "structured_outputs", "a regex and a response_format cannot both shape the answer"
-        if self.stream_options is not None and not self.stream:
-            return "stream_options", "stream_options is only allowed with stream: true"
-        return None
 
     @property
     def choices(self) -> int:
@@ -233,7 +196,7 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 class CompletionRequest(GenerationFields):
     """POST /v1/completions: prompts continued by the diffusion sampler, or scored (`logprobs`)."""
 
-    # always a list of prompts once validated (`_prompts`)
+    # always a list of prompts once validated (request_checks.prompt_list)
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)] = Field(
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
@@ -248,26 +211,7 @@ class CompletionRequest(GenerationFields):
     suffix: StrictStr | None = Field(None, description="not supported: a 400")
     best_of: StrictInt | None = Field(None, description="only 1 is supported")
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompts(cls, value):
-        """Text, token ids, or a list of either (several prompts): always a list of prompts."""
-        if value == "" or value == []:
-            raise ValueError("the prompt is empty")
-        if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
-            value = [value]
-        if not isinstance(value, list):
-            raise ValueError("expected a string, a list of token ids, or a list of either")
-        kinds = {type(v) for v in value}
-        if kinds not in ({str}, {list}):
-            mixed = " (not both)" if kinds == {str, list} else ""
-            raise ValueError(f"expected a string, a list of token ids, or a list of either{mixed}")
-        for i, v in enumerate(value):
-            if not v:
-                raise ValueError(f"prompt {i} is empty")
-            if isinstance(v, list) and not all(type(t) is int for t in v):
-                raise ValueError(f"prompt {i}: expected a list of token ids (integers)")
-        return value
+    _prompts = field_validator("prompt", mode="before")(prompt_list)
 
     @property
     def scoring(self) -> bool:
@@ -275,22 +219,7 @@ class CompletionRequest(GenerationFields):
         return self.logprobs is not None
 
     def unsupported(self):
-        if self.logprobs is not None:
-            if self.max_tokens is None or self.max_tokens > 1:
-                return "logprobs", (f"{NO_LOGPROBS}. The prompt's own log-probabilities are available: send "
-                                    "echo: true with max_tokens 0 (or 1, which adds the causal encoder's most "
-                                    "likely next token)")
-            if self.stream:
-                return "stream", "scoring (logprobs) answers at once; send stream: false"
-            if self.choices > 1:
-                return "n", "scoring (logprobs) is deterministic; n > 1 would repeat the same choice"
-            if self.structured is not None:
-                return "response_format", "scoring (logprobs) writes no answer to format"
-        if self.suffix is not None:
-            return "suffix", "suffix (insertion) is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
-        return super().unsupported()
+        return unsupported_completion(self)
 
 
 # -- the chat body -------------------------------------------------------------------------------------
@@ -329,42 +258,12 @@ class ImagePart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-def _content_parts(value):
-    """The shape of a content list, checked with messages that show it (the typed check follows)."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if not isinstance(value, list):
-        raise ValueError("expected a string or a list of content parts")
-    for part in value:
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise ValueError('a text part is {"type": "text", "text": STRING}')
-        elif kind == "image_url":
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str) or not url:
-                raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": URL}}')
-        else:
-            raise ValueError(f"only text and image_url content parts are supported, got {kind!r}")
-    return value
-
-
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: StrictStr
     arguments: StrictStr = Field(description="a JSON object, in a string (as OpenAI sends it)")
 
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value):
-        try:
-            parsed = json.loads(value)
-        except (ValueError, RecursionError):
-            raise ValueError("expected a JSON object in a string") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("expected a JSON object in a string")
-        return value
+    _arguments = field_validator("arguments")(json_object_string)
 
 
 class ToolCall(BaseModel):
@@ -374,21 +273,8 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-# What `_fields_of_the_role` checks, for the schema: a tool message names its call; images are in user messages
-# only; tool calls in assistant messages only
-_ROLE_RULES = {"allOf": [
-    {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"], "properties": {
-        "tool_call_id": {"type": "string", "minLength": 1}}}},
-    {"if": {"properties": {"role": {"not": {"const": "user"}}}}, "then": {"properties": {"content": {
-        "anyOf": [{"type": "string"}, {"type": "null"},
-                  {"type": "array", "items": {"properties": {"type": {"const": "text"}}}}]}}}},
-    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}}, "then": {"properties": {"tool_calls": {
-        "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
-]}
-
-
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_ROLE_RULES)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=ROLE_RULES_SCHEMA)  # the role rules, published
     role: Role = Field(description="\"developer\" is read as \"system\"")
     content: StrictStr | list[ContentPart] | None = Field(
         "", description="a string, or text and image_url parts (images: user messages only, for a model with a "
@@ -399,10 +285,7 @@ class ChatMessage(BaseModel):
     reasoning_content: StrictStr | None = Field(None, description="assistant: its thoughts, for templates that "
                                                 "keep them")
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _parts(cls, value):
-        return _content_parts(value)
+    _parts = field_validator("content", mode="before")(content_parts)
 
     @field_validator("content", mode="after")
     @classmethod
@@ -416,12 +299,9 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _fields_of_the_role(self):
-        if isinstance(self.content, list) and self.role != "user":
-            raise ValueError("only user messages carry images")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        broken = broken_role_rule(self.model_dump())
+        if broken:
+            raise ValueError(broken)
         return self
 
 
@@ -474,83 +354,24 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template, as vLLM: "
                                                         "e.g. {\"enable_thinking\": true}")
 
-    @field_validator("messages")
-    @classmethod
-    def _not_empty(cls, value):
-        if not value:
-            raise ValueError("messages is empty: send at least one message")
-        return value
+    _not_empty = field_validator("messages")(not_empty)
 
     @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice names."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @property
     def tool_mode(self) -> str:
         """"none" (calls stay text), "auto" (calls are parsed), "required" or "named" (constrained)."""
         if not self.tools or self.tool_choice == "none":
             return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
+        if self.named_tool is not None:
             return "named"
         return self.tool_choice or "auto"
 
-    def allowed_tools(self) -> list[FunctionDefinition]:
-        """The functions an answer may call: the named one, or all of them."""
-        functions = [t.function for t in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return [f for f in functions if f.name == self.tool_choice.function.name]
-        return functions
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """Variables for the chat template: tools, thinking (reasoning_effort: any value but "none" is on;
-        an explicit chat_template_kwargs.enable_thinking wins), and the client's own."""
-        kwargs: dict[str, Any] = {}
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.reasoning_effort is not None:
-            kwargs["enable_thinking"] = self.reasoning_effort != "none"
-        return {**kwargs, **(self.chat_template_kwargs or {})}
-
-    def chat(self) -> list[dict]:
-        """The messages as Hugging Face chat templates read them: "developer" is "system"; a call's arguments
-        are a dict (as vLLM passes them); a tool result carries the name of the function it answers."""
-        names: dict[str, str] = {}
-        messages = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else [  # the template writes its image placeholder
-                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-            if m.tool_calls:
-                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
-                names.update((c.id, c.function.name) for c in m.tool_calls)
-            if m.role == "tool":
-                message["tool_call_id"] = m.tool_call_id
-                message["name"] = m.name or names.get(m.tool_call_id, "unknown")
-            elif m.name is not None:
-                message["name"] = m.name
-            if m.reasoning_content is not None and m.role == "assistant":
-                message["reasoning_content"] = m.reasoning_content
-            messages.append(message)
-        return messages
-
-    def image_urls(self) -> list[str]:
-        """The URLs of the image parts of all messages, in order (the order of the template's placeholders)."""
-        return [p.url for m in self.messages if isinstance(m.content, list) for p in m.content
-                if isinstance(p, ImagePart)]
-
     def unsupported(self):
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs" if self.logprobs else "top_logprobs", NO_LOGPROBS
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            return "tools", f"two tools are named {next(n for n in names if names.count(n) > 1)!r}"
-        if (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)) and not self.tools:
-            return "tool_choice", "a required or named tool_choice needs tools"
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            return "tool_choice", (f"no tool is named {self.tool_choice.function.name!r} "
-                                   f"(tools: {', '.join(map(repr, names))})")
-        return super().unsupported()
+        return unsupported_chat(self)
 
 
 # -- the tokenizer routes -------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 (`build_state`: everything one server, or one replica, serves from), then the HTTP app on a socket until a
 graceful stop (`serve`).
 
-`dgemma serve` (commands/serve.py) reads its flags into `ServerSettings`. How the model itself runs (device,
-dtype, quantisation, compiling, the prefix cache's budget) is decided by flags every generating command
-shares, so the command hands that in as a `ModelLoader`. A setting the model cannot take (a LoRA adapter
-that does not fit it, an address that cannot be listened on) is a `StartupError`: one line, exit code 2.
+`dgemma serve` (commands/serve.py) reads its flags into `ServerSettings`, the model's task among them: the
+command decides it and hands the server a `CodecFactory` (the server knows no task; it reads prompts and
+writes answers through the codec). How the model itself runs (device, dtype, quantisation, compiling, the
+prefix cache's budget) is decided by flags every generating command shares, so the command hands that in as
+a `ModelLoader`. A setting the model cannot take (a LoRA adapter that does not fit it, an address that cannot
+be listened on) is a `StartupError`: one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Protocol
 
+from dgemma.chat.codec import Codec
 from dgemma.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
 # A model that reads images takes larger bodies by default: its images arrive base64-encoded in them.
@@ -31,6 +34,14 @@ LOST_RANKS_GRACE_S = 10.0
 
 class StartupError(Exception):
     """Why the server cannot start, in one line (the command exits 2 with it)."""
+
+
+class CodecFactory(Protocol):
+    """The codec of the served model's task. Picklable, for the replicas (each calls it with its own copy of
+    the folder)."""
+
+    def __call__(self, folder: Path, vocab_size: int) -> Codec:
+        """The codec for the model in `folder`, whose vocabulary has `vocab_size` tokens."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class ServerSettings:
     log_level: str
     prefill_chunk: int | None
     deterministic: bool
+    codec: CodecFactory  # text's, or a task's own: the command reads the task from the folder
     tp: object = None  # this rank of a split model (dgemma.parallel), None for a whole model
     # replicas on Ray Serve (replicas.py)
     replicas: int | None = None
@@ -179,23 +191,18 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     """The model loaded, its engine worker and codec: everything one server (or one replica) serves from.
     None on the ranks other than 0 of a split model, once rank 0 has told them to stop; `on_fatal()` runs on
     rank 0 when the ranks are lost."""
-    from dgemma.chat.codec import TextCodec
     from dgemma.engine import Engine
     from dgemma.serving.worker import EngineWorker
     from dgemma.structured import set_disk_cache
-    from dgemma.tasks import read_task, task_codec
-    from dgemma.tokenizer import Tokenizer
 
     folder = Path(settings.model)
-    task = read_task(folder)
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
     sampling = model.sampling_config.replace(**settings.step_cache)
     if sampling.step_cache and model.step_cache_refusal() is not None:
         raise StartupError(f"--step-cache on: {model.step_cache_refusal()}")
-    vocab_size = model.config.vocab_size
-    codec = TextCodec(Tokenizer.from_folder(folder), vocab_size) if task == "text" else task_codec(task, vocab_size)
-    images = _image_reader(settings, folder, model) if task == "text" else None
+    codec = settings.codec(folder, model.config.vocab_size)
+    images = _image_reader(settings, folder, model) if codec.task == "text" else None
     set_disk_cache(settings.automaton_cache)
     engine_args = dict(max_batch=settings.max_batch, max_queue=settings.max_queue, max_length=settings.max_length,
                        prefix_cache_bytes=loader.prefix_cache_bytes(model), prefill_chunk=settings.prefill_chunk,

@@ -19,7 +19,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 @dataclass
 class ServerState:
     worker: EngineWorker
-    codec: Codec  # TextCodec, or a task's own (dgemma.tasks.task_codec)
+    codec: Codec  # text's, or a task's own: what ServerSettings.codec made
     model_name: str
     sampling: SamplingConfig  # the model's defaults; requests override fields of it
     canvas_length: int

@@ -1,7 +1,7 @@
 """Tasks the project trains and evaluates on, each independent of any model (see `sudoku`).
 
 A model folder made for a task says so in `dgemma_task.json` ({"task": "sudoku"}); without that file it
-is a text model. `dgemma serve` asks `task_codec` how to read a task's prompts and write its answers.
+is a text model. `dgemma serve` asks `task_codec` how to read a model's prompts and write its answers.
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ def read_task(folder: str | Path) -> str:
     return task
 
 
-def task_codec(task: str, vocab_size: int):
-    """The server's codec (dgemma.chat.codec.Codec) for a task other than text."""
+def task_codec(task: str, folder: str | Path, vocab_size: int):
+    """The codec (dgemma.chat.codec.Codec) a model of `task` in `folder` is served with: a text model's reads the
+    folder's tokenizer, another task brings its own. `dgemma serve` hands it to the server as
+    `functools.partial(task_codec, task)`, called with the folder and vocabulary of the model it loaded."""
+    if task == "text":
+        from dgemma.chat.codec import TextCodec
+        from dgemma.tokenizer import Tokenizer
+
+        return TextCodec(Tokenizer.from_folder(folder), vocab_size)
     if task == "sudoku":
         from dgemma.tasks.sudoku_codec import SudokuCodec
 

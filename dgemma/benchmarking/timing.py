@@ -1,5 +1,5 @@
-"""`dgemma bench`'s measurements: generation speed, side by side in one process (ratios, because shared
-machines are noisy).
+"""Generation speed, side by side in one process (ratios, because shared machines are noisy): `dgemma bench`'s
+timed systems.
 
 For each batch size: our engine with a fixed number of denoising steps per canvas and in adaptive mode,
 transformers' `DiffusionGemmaForBlockDiffusion.generate` on the same weights and settings, and
@@ -19,27 +19,9 @@ import torch
 
 from dgemma.config import SamplingConfig
 from dgemma.engine.allocator import release_freed_memory
+from dgemma.engine.memory import kv_cache, logits_buffer_bytes
 from dgemma.generation.canvas import canvases_for, positions_needed
-
-
-def reset_peak_rss():
-    """Linux: make VmHWM (peak resident set) restart from the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def rss_bytes(field: str = "VmRSS") -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+from dgemma.processes import resident_memory, restart_peak_rss
 
 
 @dataclass
@@ -101,15 +83,15 @@ class Timed:
     def run(self, r: int):
         _gpu_reset(self.device)
         release_freed_memory()
-        rss_before = rss_bytes()
+        rss_before = resident_memory()["rss"]
         gpu_before = _gpu_allocated(self.device)
-        reset_peak_rss()
+        restart_peak_rss()
         _sync(self.device)
         start = time.perf_counter()
         extra = self.generate(r)
         _sync(self.device)
         self.runs.append(dict(extra, seconds=time.perf_counter() - start, rss_before=rss_before,
-                              peak_rss=rss_bytes("VmHWM"), gpu_before=gpu_before, gpu_peak=_gpu_peak(self.device)))
+                              peak_rss=resident_memory()["peak_rss"], gpu_before=gpu_before, gpu_peak=_gpu_peak(self.device)))
 
     def fastest(self) -> dict:
         return min(self.runs, key=lambda run: run["seconds"])
@@ -185,9 +167,7 @@ class EngineTimed(Timed):
 
 
 def load_transformers(folder, dtype, device):
-    from dgemma.commands._common import require_extra
-
-    require_extra("transformers", "bench", "the transformers comparison (skip it with --no-transformers)")
+    """transformers' DiffusionGemma from a folder (the bench extra installs transformers)."""
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging
 
@@ -268,76 +248,8 @@ def save_for_transformers(model) -> tempfile.TemporaryDirectory:
 
 
 def memory_budget(model, batch: int, max_length: int) -> dict:
-    """What one generation may hold beyond the loaded model: the KV cache and one (B, L, V) fp32 buffer.
-    (The engine's cache is already allocated when the timed runs start; it is listed for the record.)"""
-    cache = model.new_cache(batch, max_length, device="meta")
-    kv = cache.nbytes()
-    logits = batch * model.config.canvas_length * model.config.vocab_size * 4
-    return {"kv_cache_bytes": kv, "logits_buffer_bytes": logits}
-
-
-# A fresh process, timed from its launch to the first canvas of one batch-1 request (`measure_startup`).
-_STARTUP = """
-import json, sys, time
-start = time.perf_counter()
-import torch
-import dgemma
-from dgemma.engine import Engine
-from dgemma.generation.canvas import positions_needed
-from dgemma.compilation.steps import compile_model, is_compiled
-a = json.loads(sys.argv[1])
-torch.set_num_threads(a["threads"])
-torch.manual_seed(a["seed"])
-dtype = getattr(torch, a["dtype"])
-if a["model"]:
-    model = dgemma.load_model(a["model"], device=a["device"], dtype=dtype, quantize=a["quantize"])
-else:
-    config = dgemma.get_preset(a["config"])
-    if a["layers"]:
-        config = config.replace(num_layers=a["layers"], layer_types=config.layer_types[: a["layers"]])
-    model = dgemma.DiffusionGemma(config).to(device=a["device"], dtype=dtype).eval()
-    if a["quantize"]:
-        from dgemma.quant.quantize import quantize_model
-        quantize_model(model, a["quantize"])
-from dgemma.quant import int8_compute
-int8_compute.enable(model, a["cpu_int8_compute"])
-built = time.perf_counter()
-if a["compile"]:
-    compile_model(model, a["mode"])
-L = model.config.canvas_length
-sampling = model.sampling_config.replace(max_new_tokens=L, max_denoising_steps=a["steps"], fixed_steps=True,
-                                         eos_token_ids=(model.config.vocab_size + 1,))
-prompt = torch.randint(3, model.config.vocab_size, (a["prompt_len"],)).tolist()
-engine = Engine(model, max_batch=1, max_length=positions_needed(len(prompt), L, L))
-engine.generate([prompt], sampling, seeds=[0])
-if a["device"].startswith("cuda"):
-    torch.cuda.synchronize()
-done = time.perf_counter()
-print(json.dumps({"build_s": built - start, "first_canvas_s": done - built, "compiled": is_compiled(model)}))
-"""
-
-
-def measure_startup(args, device: str, dtype, mode: str, new_tokens: int) -> dict:
-    """Start-up, each in a fresh process from its launch to its first canvas (batch 1, the bench's prompt
-    length and steps): eager; compiled with an empty compile cache (cold: tracing, inductor's code
-    generation and C++ or triton compiles); compiled again with the cache the cold run filled (warm)."""
-    import json
-    import subprocess
-    import sys
-
-    spec = dict(threads=torch.get_num_threads(), seed=args.seed, dtype=str(dtype).replace("torch.", ""),
-                model=args.model, config=args.config, layers=getattr(args, "layers", None), device=device,
-                quantize=args.quantize, mode=mode,
-                cpu_int8_compute=args.cpu_int8_compute, steps=args.steps, prompt_len=args.prompt_len)
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="dgemma-compile-cache-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        for run, compiled in (("eager", False), ("compiled, cold cache", True), ("compiled, warm cache", True)):
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", _STARTUP, json.dumps(dict(spec, compile=compiled))],
-                                  capture_output=True, text=True, env=env)
-            seconds = time.perf_counter() - start
-            if proc.returncode != 0:
-                raise RuntimeError(f"start-up run ({run}) failed:\n{proc.stderr[-2000:]}")
-            out[run] = dict(json.loads(proc.stdout.strip().splitlines()[-1]), seconds=seconds)
-    return out
+    """What one generation may hold beyond the loaded model (dgemma.engine.memory): the KV cache and the
+    sampler's (B, L, V) fp32 buffer. (The engine's cache is already allocated when the timed runs start; it is
+    listed for the record.)"""
+    return {"kv_cache_bytes": kv_cache(model.cache_config, batch, max_length, model.dtype).nbytes(),
+            "logits_buffer_bytes": logits_buffer_bytes(model.config, batch)}
