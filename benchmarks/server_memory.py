@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
-from soak import build_model_512, long_prompt
+from soak_kinds import long_prompt
+from soak_setup import build_model_512
 
 from dgemma.processes import resident_memory
 

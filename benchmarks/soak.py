@@ -1,46 +1,39 @@
-"""Soak `dgemma serve`: N clients send a mix of requests for a fixed time, and the server must hold up.
+"""Soak `dgemma serve` under mixed load: every feature at once in one server, every answer checked, and a
+graceful stop at the end.
 
-The mix, each client drawing by weight with its own seeded generator:
-  chat        a chat answer (one of SEEDS, so every answer is asked for many times)
-  stream      the same chats streamed: the joined text must equal the non-streamed answer of that seed
-  drop        a stream the client abandons after its first chunk (the server must free the row)
-  structured  response_format json_schema: the answer must parse and validate (finish_reason stop)
-  image       a chat with a PNG as a data URL (the model's vision tower)
-  tools       tool_choice "required": the answer must be calls whose arguments are JSON objects
-  long        a chat whose ~600-token prompt no other request has (its own words and length), so that every
-              one brings new prompt lengths, routings and prefix-cache blocks: what grows a server's memory
-              if anything per prompt is kept (not compared: every answer is asked for once)
---mix sets the weights (e.g. `--mix long=6,chat=2,stream=1`); a kind left out is not sent.
-With --adapters N, N random LoRA adapters (PEFT folders) are served beside the model (`--lora`) and each
-request names the base model or one of them at random. A scraper reads /metrics every 2 s and parses it
-with prometheus_client (a failed scrape or parse is an error of kind "metrics").
-Every answer is keyed by (what was asked, seed, model); two different answers to one key are a determinism
-failure. Errors are counted by kind (HTTP status, exception class, an invalid answer). The server's RSS
-is sampled every second from /proc, and read at every --memory-every requests ended (printed as a table);
-the plot shows it over time with the requests served, and against the requests ended.
+One server (`--max-batch 8`, LoRA adapters by name, a small prefix cache kept at its budget, a time limit per
+request) and N clients that loop for --minutes, each drawing a request kind (every kind once first, shared
+out over the clients, then by weight; benchmarks/soak_kinds.py: chat, stream, a stream the client drops, n: 2, json_schema, tool calls, images, the step cache, long distinct
+prompts, follow-up turns, prompt scoring with logprobs, a completion without max_tokens), a seed from a
+shared pool and a model (the base or an adapter) at random. Each kind checks its answers (JSON against its
+schema, calls that name a tool with valid arguments, log-probabilities in range...), and answers that must
+repeat (the same request and seed on a `--deterministic` server; a stream and its whole chat; choice i of
+`n: 2` and the chat of seed + i) are compared. A sampler reads the server's RSS every second and /health and
+/metrics every 2 s (the prefix cache's bytes; a failed scrape or parse is an error).
 
-The server is the small model given with --model, or by default a tiny random one built here like the
-tests' (tests/conftest.py: a vision tower, Gemma's tokenizer shape and Gemma 4's chat template; needs the
-test extra for transformers), or with --model-512 an 8-layer, 512-wide random text model (the prefix cache
-benchmark's; bf16 on a CPU with native bf16 matmuls) with Gemma's tokenizer shape and no vision tower.
+At the end the clients stop, two requests are started and the server gets SIGTERM: they must finish (200),
+a request sent during the drain gets 503, and the process must exit 0.
 
-    python benchmarks/soak.py --minutes 10 --clients 8      # prints a table, then one JSON line
-    python benchmarks/soak.py --minutes 1 --clients 4       # a quick look
-    python benchmarks/soak.py --minutes 3 --clients 4 --adapters 2   # LoRA adapters by name, mixed in batches
-    python benchmarks/soak.py --minutes 30 --clients 2 --model-512 --mix long=6,chat=2,stream=1,structured=1 \
-        --serve-args="--eager --prefix-cache-gib 0.05"                # memory over distinct long prompts
+The figures, per window of --window-seconds (default: a minute, 10 s under 20 minutes): RSS, latency
+p50/p90/p99, requests and errors, plotted over time (--plot); RSS drift is the mean of the last 15 minutes
+against the first 15 (a run under an hour: its last and first quarters). `--check` exits 1 on any
+unexpected error, malformed answer, differing answer, a drain that failed or an exit code other than 0.
 
-Loopback only: the server binds 127.0.0.1 and the loops stop by themselves after --minutes.
+    python benchmarks/soak.py --minutes 60 --clients 6      # the hour: a table, the plot, one JSON line
+    python benchmarks/soak.py --minutes 2 --clients 3 --check   # a quick look (tests/test_soak.py runs this)
+
+The server is the tests' tiny random model with a vision tower, Gemma's tokenizer shape and Gemma 4's chat
+template (built here, needs the test extra), or --model. Loopback only.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,333 +50,207 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from soak_kinds import KINDS, SEEDS, Call, HTTPStatus, Malformed, Shared, parse_mix, png_urls  # noqa: E402
+
 API_KEY = "sk-soak"
 MODEL = "soak"
-SEEDS = list(range(8))
-KINDS = {"chat": 3, "stream": 3, "drop": 1, "structured": 2, "image": 2, "tools": 2}
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"enum": ["red", "blue"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
-PROMPTS = ["hello world", "Tell me about the sea.", "Name a colour.", "What is in this picture?"]
-WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from Paris Ada "
-         "red blue small large yes no hello world cat name age city").split()
-
-
-def long_prompt(index: int) -> str:
-    """Prompt `index`'s text: 105-144 numbered words (~530-720 of the Gemma-shaped tokenizer's tokens)."""
-    rng = random.Random(index)
-    return " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(105 + index % 40))
-
-
-def build_model_512(root: Path) -> Path:
-    """benchmarks/prefix_cache.py's 8-layer, 512-wide model (random weights) with the Gemma-shaped tokenizer
-    and its chat template, 2 denoising steps at most, written under `root`."""
-    from conftest import write_gemma_tokenizer
-    from prefix_cache import model_512
-
-    import dgemma
-
-    model = model_512()
-    folder = root / "model-512"
-    info = write_gemma_tokenizer(root)
-    model.sampling_config = model.sampling_config.replace(
-        eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=2)
-    dgemma.save_pretrained(model, folder)
-    write_gemma_tokenizer(folder)
-    return folder
-
-
-def build_model(root: Path) -> Path:
-    """The tests' tiny vision model (random weights), written under `root`."""
-    import json as _json
-    import shutil
-
-    from conftest import IMAGE_SPECIALS, SMALL_PROCESSOR, SMALL_VISION, make_hf_model, write_gemma_tokenizer
-
-    import dgemma
-
-    words = root / "tokenizer"
-    words.mkdir()
-    info = write_gemma_tokenizer(words, IMAGE_SPECIALS)
-    image, boi, eoi = (info["ids"][t] for t in IMAGE_SPECIALS)
-    hf = make_hf_model(seed=5, vision=SMALL_VISION, image_token_id=image, boi_token_id=boi, eoi_token_id=eoi,
-                       text=dict(vocab_size=info["vocab_size"], max_position_embeddings=1024,
-                                 use_bidirectional_attention="vision"))
-    hf.save_pretrained(root / "hf")
-    model = dgemma.load_model(root / "hf")
-    model.sampling_config = model.sampling_config.replace(
-        eos_token_ids=info["eos_token_ids"], pad_token_id=info["pad_token_id"], max_denoising_steps=8)
-    folder = root / "model"
-    dgemma.save_pretrained(model, folder)
-    write_gemma_tokenizer(folder, IMAGE_SPECIALS)
-    shutil.copy(ROOT / "tests" / "data" / "gemma4_chat_template.jinja", folder / "chat_template.jinja")
-    (folder / "processor_config.json").write_text(_json.dumps({"image_processor": SMALL_PROCESSOR}))
-    return folder
-
-
-def png_url(seed: int) -> str:
-    from conftest import png_bytes
-
-    return "data:image/png;base64," + base64.b64encode(png_bytes(24 + seed, 30 + seed, seed=seed)).decode()
 
 
 class Server:
-    """`dgemma serve` on 127.0.0.1 with a free port; its RSS sampled every second."""
+    """`dgemma serve` on 127.0.0.1 with a free port; its output drained into `log`."""
 
     def __init__(self, model: Path, args: list[str], log: Path):
         cmd = [sys.executable, "-m", "dgemma", "serve", "--model", str(model), "--port", "0", "--served-model-name",
-               MODEL, "--api-key", API_KEY, "--automaton-cache", "none", *args]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.log = log
-        # stdout (the address line, then uvicorn's access log) and stderr (tracebacks) share one pipe, drained
-        # into the log file for the whole run: a pipe nobody reads fills after a few hundred access lines and
-        # then blocks the server's event loop on its next log write
-        self.proc = subprocess.Popen(cmd + ["--log-level", "info"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self._log_file = open(log, "w")
+               MODEL, "--api-key", API_KEY, "--automaton-cache", "none", "--log-level", "info", *args]
+        # stdout (the address, then the access log) and stderr share one pipe, drained for the whole run: a
+        # pipe nobody reads fills and then blocks the server's event loop on its next log write
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self._log = open(log, "w")
         lines = []
         for line in self.proc.stdout:
-            self._log_file.write(line)
+            self._log.write(line)
             lines.append(line)
             if " on http://" in line:
                 break
         else:
-            self.proc.kill()
             raise SystemExit(f"the server did not start: {''.join(lines[-20:])}")
         self.url = line.rsplit(" on ", 1)[1].strip()
         self._drain = threading.Thread(target=self._copy_output, daemon=True)
         self._drain.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.rss: list[tuple[float, float]] = []  # (seconds since start, MiB)
-        self._stop = threading.Event()
-        self.t0 = time.monotonic()
-        threading.Thread(target=self._sample, daemon=True).start()
 
-    def read_rss(self) -> float | None:
-        """The server's resident memory now, MiB (None once it is gone)."""
+    def rss_mib(self) -> float | None:
         try:
             return resident_memory(self.proc.pid)["rss"] / 2**20
         except OSError:
             return None
 
-    def _sample(self):
-        while not self._stop.wait(1.0):
-            mib = self.read_rss()
-            if mib is None:
-                return
-            self.rss.append((time.monotonic() - self.t0, mib))
-
     def _copy_output(self):
         for line in self.proc.stdout:
-            self._log_file.write(line)
-            self._log_file.flush()
+            self._log.write(line)
+            self._log.flush()
 
-    def stop(self):
-        self._stop.set()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
+    def kill(self):
+        if self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait()
         self._drain.join(10)
-        self._log_file.close()
+        self._log.close()
 
 
 class Tally:
-    """What the clients saw, shared by their threads."""
+    """What the clients and the sampler saw, shared by their threads."""
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.served = collections.Counter()
+    def __init__(self, t0: float):
+        self.t0, self.lock = t0, threading.Lock()
+        self.ended: list[tuple[float, str, float, str]] = []  # (t, kind, seconds, "ok" | "error" | "malformed")
         self.errors = collections.Counter()  # (kind, what)
-        self.latency = collections.defaultdict(list)
-        self.answers: dict[tuple, str] = {}
-        self.checked = collections.Counter()  # determinism: answers compared with an earlier one
-        self.mismatched = collections.Counter()
-        self.done: list[float] = []  # when each request ended
-        self.scrapes = 0  # /metrics read and parsed
-        self.metrics: dict[tuple, float] = {}  # the last scrape: (sample, labels) -> value
-        self.read_rss = None  # () -> the server's RSS in MiB, read at every `memory_every` requests ended
-        self.memory_every = 0
-        self.memory: list[tuple[int, float]] = []  # (requests ended, RSS MiB)
-        self.long_count = 0  # long prompts handed out: each client's next one is new
+        self.malformed = collections.Counter()  # (kind, why)
+        self.notes = collections.Counter()
+        self.answers: dict[tuple, object] = {}
+        self.compared = collections.Counter()  # answers compared with an earlier one, by kind
+        self.differing = collections.Counter()
+        self.largest_gap = collections.Counter()  # kinds compared within a tolerance: the largest gap seen
+        self.samples: list[tuple[float, float, int | None]] = []  # (t, RSS MiB, prefix cache bytes)
+        self.health: dict = {}
+        self.scrapes = 0
+        self.read_rss, self.memory_every = None, 0  # RSS also read at every `memory_every` requests ended
+        self.memory: list[tuple[int, float]] = []
 
-    def next_long(self) -> int:
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def end(self, kind: str, seconds: float, outcome: str, what: str = ""):
         with self.lock:
-            self.long_count += 1
-            return self.long_count - 1
+            self.ended.append((self.now(), kind, seconds, outcome))
+            if self.memory_every and len(self.ended) % self.memory_every == 0:
+                self.memory.append((len(self.ended), self.read_rss()))
+            if outcome == "error":
+                self.errors[kind, what] += 1
+            elif outcome == "malformed":
+                self.malformed[kind, what] += 1
 
-    def _ended(self, t: float):
-        self.done.append(t)
-        if self.memory_every and len(self.done) % self.memory_every == 0 and self.read_rss is not None:
-            self.memory.append((len(self.done), self.read_rss()))
-
-    def ok(self, kind: str, seconds: float, t: float):
+    def same(self, kind: str, key: tuple, answer, tolerance: float = 0.0):
+        """`answer` against the first one for `key`: equal, or (numbers: `tolerance` > 0) each within it."""
         with self.lock:
-            self.served[kind] += 1
-            self.latency[kind].append(seconds)
-            self._ended(t)
-
-    def error(self, kind: str, what: str, t: float):
-        with self.lock:
-            self.errors[kind, what] += 1
-            self._ended(t)
-
-    def answer(self, kind: str, key: tuple, text: str):
-        """The answer to `key` (what was asked, seed), compared with the first one seen for it."""
-        with self.lock:
-            if key in self.answers:
-                self.checked[kind] += 1
-                self.mismatched[kind] += self.answers[key] != text
+            if key not in self.answers:
+                self.answers[key] = answer
+                return
+            self.compared[kind] += 1
+            first = self.answers[key]
+            if tolerance:
+                gaps = [abs(a - b) for a, b in zip(first, answer) if a is not None and b is not None]
+                self.largest_gap[kind] = max([self.largest_gap[kind], *gaps])
+                self.differing[kind] += len(first) != len(answer) or any(g > tolerance for g in gaps) \
+                    or [a is None for a in first] != [b is None for b in answer]
             else:
-                self.answers[key] = text
+                self.differing[kind] += first != answer
 
 
-def write_adapters(model_dir: Path, root: Path, count: int) -> list[str]:
-    """`count` random LoRA adapters of the text layers' q_proj and o_proj, as PEFT folders: ["NAME=PATH", ...]."""
-    import torch
+def client_loop(index: int, clients: int, url: str, deadline: float, tally: Tally, shared: Shared, mix: dict):
+    rng = random.Random(index)
+    names, weights = zip(*mix.items())
+    # the kinds shared out over the clients first, each sent once even after the deadline, then by weight
+    first = [n for n, w in mix.items() if w][index::clients]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as http:
+        while time.monotonic() < deadline or first:
+            name = first.pop() if first else rng.choices(names, weights)[0]
+            call = Call(http, rng, shared, seed=rng.choice(SEEDS), model=rng.choice(shared.models),
+                        same=lambda key, answer, tolerance=0.0, name=name: tally.same(name, key, answer, tolerance),
+                        note=lambda what: tally.notes.update([what]))
+            start = time.monotonic()
+            try:
+                KINDS[name][0](call)
+            except Malformed as e:
+                tally.end(name, time.monotonic() - start, "malformed", str(e))
+            except HTTPStatus as e:
+                tally.end(name, time.monotonic() - start, "error", f"HTTP {e.status}: {e.body[:120]}")
+            except Exception as e:  # a transport error, a broken stream: counted, the loop goes on
+                tally.end(name, time.monotonic() - start, "error", f"{type(e).__name__}: {str(e)[:120]}")
+            else:
+                tally.end(name, time.monotonic() - start, "ok")
 
-    import dgemma
-    from dgemma.weights.peft import write_peft_adapter
 
-    model = dgemma.load_model(model_dir)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-               and n.startswith("layers.") and n.endswith(("q_proj", "o_proj"))}
-    flags = []
-    for i in range(count):
-        g = torch.Generator().manual_seed(100 + i)
-        weights = {}
-        for name, m in linears.items():
-            weights[f"{name}.lora_A"] = torch.randn(4, m.in_features, generator=g) * 0.3
-            weights[f"{name}.lora_B"] = torch.randn(m.out_features, 4, generator=g) * 0.3
-        folder = write_peft_adapter(root / f"adapter-{i}", weights, rank=4, alpha=8, dropout=0.0,
-                                    base_model=str(model_dir), config=model.config)
-        flags.append(f"lora-{i}={folder}")
-    return flags
-
-
-def scrape_loop(url: str, deadline: float, tally: Tally, t0: float):
-    """/metrics every 2 s, parsed; the last scrape's samples are kept for the summary."""
+def sample_loop(server: Server, stop: threading.Event, tally: Tally):
+    """RSS every second; /health and /metrics (parsed by prometheus_client) every 2 s."""
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    while time.monotonic() < deadline:
+    tick = 0
+    while not stop.wait(1.0):
+        rss = server.rss_mib()
+        if rss is None:
+            return
+        cache = (tally.health.get("prefix_cache") or {}).get("bytes")
+        tally.samples.append((tally.now(), rss, cache))
+        tick += 1
+        if tick % 2:
+            continue
         try:
-            text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).raise_for_status().text
-            tally.metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                             for family in text_string_to_metric_families(text) for s in family.samples}
+            tally.health = httpx.get(f"{server.url}/health", timeout=30).json()
+            text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).raise_for_status().text
+            list(text_string_to_metric_families(text))
             tally.scrapes += 1
         except Exception as e:
-            tally.error("metrics", type(e).__name__, time.monotonic() - t0)
-        time.sleep(2)
+            tally.end("metrics", 0.0, "error", type(e).__name__)
 
 
-def chat_body(kind: str, seed: int, model: str = MODEL, long_index: int = 0) -> dict:
-    prompt = long_prompt(long_index) if kind == "long" else PROMPTS[seed % 3]
-    body = {"model": model, "seed": seed, "max_tokens": 48, "messages": [{"role": "user", "content": prompt}]}
-    if kind == "structured":
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-        body["max_tokens"] = 64
-    elif kind == "image":
-        body["messages"] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(seed)}},
-                                                         {"type": "text", "text": PROMPTS[3]}]}]
-        body["max_tokens"] = 32
-    elif kind == "tools":
-        body["tools"], body["tool_choice"] = [WEATHER], "required"
-        body["messages"][0]["content"] = "Weather in Paris?"
-    return body
-
-
-def stream_text(response) -> tuple[str, str | None]:
-    """The joined content of a chat stream and its finish reason; raises on an error event."""
-    text, reason = [], None
-    for line in response.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error']['message']}")
-        for choice in chunk["choices"]:
-            text.append(choice["delta"].get("content") or "")
-            reason = choice["finish_reason"] or reason
-    return "".join(text), reason
-
-
-def answer_text(message: dict) -> str:
-    """What must be the same for one seed: content, thoughts, calls (names and arguments; ids are random)."""
-    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
-    return json.dumps([message.get("content"), message.get("reasoning_content"), calls])
-
-
-def check(kind: str, message: dict, reason: str) -> str | None:
-    """Why an answer is wrong for its kind, or None."""
-    import jsonschema
-
-    if kind == "structured" and reason == "stop":
-        try:
-            jsonschema.validate(json.loads(message["content"]), SCHEMA)
-        except (ValueError, jsonschema.ValidationError) as e:
-            return f"invalid JSON answer: {type(e).__name__}"
-    if kind == "tools":
-        calls = message.get("tool_calls") or []
-        if reason == "tool_calls" and not all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls):
-            return "tool arguments are not a JSON object"
-        if reason == "stop" and not calls:
-            return "a required tool choice gave no call"
-    return None
-
-
-def client_loop(index: int, url: str, deadline: float, tally: Tally, t0: float, models: list[str], mix: dict):
-    rng = random.Random(index)
-    kinds, weights = zip(*mix.items())
+def drain_on_sigterm(server: Server, shared: Shared, tally: Tally, grace: float) -> dict:
+    """Two requests running, then SIGTERM: both must finish with 200, one sent during the drain must get 503,
+    and the process must exit 0."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=300) as http:
-        while time.monotonic() < deadline:
-            kind = rng.choices(kinds, weights)[0]
-            seed = rng.choice(SEEDS)
-            model = rng.choice(models)
-            body = chat_body("chat" if kind in ("stream", "drop") else kind, seed, model,
-                             tally.next_long() if kind == "long" else 0)
-            start = time.monotonic()
-            try:
-                if kind in ("stream", "drop"):
-                    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                        if r.status_code != 200:
-                            r.read()
-                            tally.error(kind, f"HTTP {r.status_code}", time.monotonic() - t0)
-                            continue
-                        if kind == "drop":
-                            next(r.iter_lines())  # the first chunk; then the client goes away
-                            tally.ok(kind, time.monotonic() - start, time.monotonic() - t0)
-                            continue
-                        text, reason = stream_text(r)
-                    tally.answer(kind, ("chat", seed, model), answer_text({"content": text}))
-                else:
-                    r = http.post("/v1/chat/completions", json=body)
-                    if r.status_code != 200:
-                        tally.error(kind, f"HTTP {r.status_code}", time.monotonic() - t0)
-                        continue
-                    choice = r.json()["choices"][0]
-                    problem = check(kind, choice["message"], choice["finish_reason"])
-                    if problem:
-                        tally.error(kind, problem, time.monotonic() - t0)
-                        continue
-                    if kind != "long":  # every long prompt is asked once: nothing to compare
-                        tally.answer(kind, (kind, seed, model), answer_text(choice["message"]))
-            except Exception as e:  # a transport error, a broken stream: counted, the loop goes on
-                tally.error(kind, type(e).__name__, time.monotonic() - t0)
-                continue
-            tally.ok(kind, time.monotonic() - start, time.monotonic() - t0)
+    results: list = [None, None]
+
+    def ask(i: int):
+        body = {"model": MODEL, "seed": i, "max_tokens": 160, "messages": [{"role": "user", "content": "hello world"}],
+                "steps": 48, "fixed_steps": True}
+        try:
+            results[i] = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers,
+                                    timeout=grace + 60).status_code
+        except httpx.HTTPError as e:
+            results[i] = type(e).__name__
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 600  # a loaded machine admits slowly
+    while time.monotonic() < deadline:  # both admitted (running or queued) before the signal
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        if health["active"] + health["waiting"] >= 2:
+            break
+        time.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    try:
+        during = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers,
+                            timeout=30).status_code
+    except httpx.HTTPError as e:
+        during = type(e).__name__
+    for t in threads:
+        t.join()
+    try:
+        code = server.proc.wait(grace + 30)
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    return {"in_flight": results, "during_drain": during, "exit_code": code,
+            "ok": results == [200, 200] and during == 503 and code == 0}
+
+
+def windows(tally: Tally, width: float) -> list[dict]:
+    """Per window of `width` seconds: requests ended, unexpected errors, malformed answers, latency
+    percentiles (dropped streams left out) and the RSS."""
+    out = []
+    last = max([t for t, *_ in tally.ended] + [s[0] for s in tally.samples] + [width])
+    for w in range(int(last // width) + 1):
+        lo, hi = w * width, (w + 1) * width
+        ended = [e for e in tally.ended if lo <= e[0] < hi]
+        lat = sorted(s for _, k, s, outcome in ended if outcome == "ok" and k not in ("drop", "metrics"))
+        rss = [m for t, m, _ in tally.samples if lo <= t < hi]
+        out.append({"t": hi, "requests": sum(k != "metrics" for _, k, *_ in ended),
+                    "errors": sum(o == "error" for *_, o in ended), "malformed": sum(o == "malformed" for *_, o in ended),
+                    "p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99),
+                    "rss": sum(rss) / len(rss) if rss else None})
+    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -393,135 +260,158 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def plot(server: Server, tally: Tally, path: Path, minutes: float, clients: int):
+def rss_drift(tally: Tally, minutes: float) -> dict:
+    """Mean RSS of the first and last 15 minutes (a run under an hour: first and last quarter)."""
+    span = 15 * 60 if minutes >= 60 else minutes * 60 / 4
+    end = tally.samples[-1][0]
+    first = [m for t, m, _ in tally.samples if t < span]
+    last = [m for t, m, _ in tally.samples if t >= end - span]
+    a, b = sum(first) / len(first), sum(last) / len(last)
+    return {"span_min": round(span / 60, 2), "first_mib": round(a, 1), "last_mib": round(b, 1),
+            "change": round(b / a - 1, 4)}
+
+
+def plot(tally: Tally, rows: list[dict], path: Path, title: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, by_count) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    t = [s / 60 for s, _ in server.rss]
-    ax.plot(t, [m for _, m in server.rss], color="tab:blue", label="server RSS (MiB)")
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("RSS (MiB)", color="tab:blue")
-    top = max(m for _, m in server.rss)
-    ax.set_ylim(0, top * 1.15)
-    twin = ax.twinx()
-    done = sorted(tally.done)
-    twin.plot([d / 60 for d in done], range(1, len(done) + 1), color="tab:orange", label="requests ended")
-    twin.set_ylabel("requests ended (cumulative)", color="tab:orange")
-    ax.set_title(f"dgemma serve soak: {clients} clients, {minutes:g} min, mixed requests")
-    if tally.memory:
-        by_count.plot([n for n, _ in tally.memory], [m for _, m in tally.memory], marker=".", color="tab:blue")
-        by_count.set_ylim(0, max(m for _, m in tally.memory) * 1.15)
-    by_count.set_xlabel("requests ended")
-    by_count.set_ylabel("server RSS (MiB)")
-    by_count.set_title(f"RSS every {tally.memory_every} requests")
+    fig, (rss, lat, count) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    rss.plot([t / 60 for t, *_ in tally.samples], [m for _, m, _ in tally.samples], color="tab:blue")
+    rss.set_ylabel("server RSS (MiB)")
+    rss.set_ylim(0, max(m for _, m, _ in tally.samples) * 1.15)
+    cache = [(t / 60, c / 2**20) for t, _, c in tally.samples if c is not None]
+    if cache:
+        twin = rss.twinx()
+        twin.plot(*zip(*cache), color="tab:gray", lw=0.8)
+        twin.set_ylabel("prefix cache held (MiB)", color="tab:gray")
+        twin.set_ylim(0, max(c for _, c in cache) * 1.6 + 1e-9)
+    rss.set_title(title)
+    width = rows[0]["t"] / 60 if rows else 1.0
+    t = [r["t"] / 60 - width / 2 for r in rows]  # each window at its middle
+    for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+        lat.plot(t, [r[q] for r in rows], style, color="tab:orange", label=q)
+    lat.set_ylabel("latency (s), answers of the window")
+    lat.legend(loc="upper left")
+    count.bar(t, [r["requests"] for r in rows], width=width * 0.8, color="tab:green", label="requests")
+    count.plot(t, [r["errors"] + r["malformed"] for r in rows], "x-", color="tab:red",
+               label="unexpected errors + malformed answers")
+    count.set_ylabel("per window")
+    count.set_xlabel("minutes")
+    count.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def parse_mix(text: str) -> dict[str, int]:
-    mix = {}
-    for part in text.split(","):
-        kind, _, weight = part.partition("=")
-        if kind not in (*KINDS, "long") or not weight.isdigit():
-            raise argparse.ArgumentTypeError(f"{part!r}: want KIND=WEIGHT with KIND one of {', '.join(KINDS)}, long")
-        mix[kind] = int(weight)
-    return mix
+    fig.savefig(path, dpi=100)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="a small model folder (default: a tiny one built here)")
+    parser.add_argument("--model", type=Path, default=None, help="a small model folder with a vision tower and "
+                                                                 "a chat template (default: a tiny one built here)")
+    parser.add_argument("--model-512", action="store_true", help="serve an 8-layer, 512-wide random text model "
+                        "(no vision, no tool template: image and tools leave the default mix)")
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--adapters", type=int, default=0, help="random LoRA adapters served beside the model")
-    parser.add_argument("--model-512", action="store_true",
-                        help="serve an 8-layer, 512-wide random text model (no vision, no tool template: image and tools leave the default mix)")
+    parser.add_argument("--adapters", type=int, default=2, help="random LoRA adapters served beside the model")
     parser.add_argument("--mix", type=parse_mix, default=None,
-                        help=f"KIND=WEIGHT,... from {', '.join(KINDS)}, long (default: {KINDS}, no long)")
-    parser.add_argument("--memory-every", type=int, default=100, help="read the server's RSS every N requests ended")
-    parser.add_argument("--serve-args", default="", help="more `dgemma serve` flags, e.g. '--eager'")
-    parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak.png",
-                        help="PNG of RSS and requests over time (needs dgemma[plot])")
-    parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log",
-                        help="the server's stderr (its tracebacks are printed at the end)")
+                        help=f"KIND=WEIGHT,... (default {','.join(f'{k}={w}' for k, (_, w) in KINDS.items())})")
+    parser.add_argument("--prefix-cache-gib", type=float, default=0.004,
+                        help="small, so that the long prompts keep it at its budget")
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--window-seconds", type=float, default=None)
+    parser.add_argument("--memory-every", type=int, default=0, help="also read the server's RSS every N requests "
+                                                                   "ended (printed)")
+    parser.add_argument("--serve-args", default="--deterministic", help="more `dgemma serve` flags")
+    parser.add_argument("--plot", type=plot_file, default=ROOT / "benchmarks" / "soak-mixed.png")
+    parser.add_argument("--server-log", type=Path, default=Path(tempfile.gettempdir()) / "dgemma-soak-server.log")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless the run was clean")
     args = parser.parse_args()
+    mix = args.mix or {k: w for k, (_, w) in KINDS.items() if not (args.model_512 and k in ("image", "tools"))}
+    width = args.window_seconds or (60.0 if args.minutes >= 20 else 10.0)
+
+    from soak_setup import build_model, build_model_512, write_adapters
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or (build_model_512 if args.model_512 else build_model)(Path(tmp))
-        mix = args.mix or {k: w for k, w in KINDS.items() if not (args.model_512 and k in ("image", "tools"))}
-        loras = write_adapters(model, Path(tmp), args.adapters) if args.adapters else []
-        models = [MODEL] + [flag.partition("=")[0] for flag in loras]
-        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64",
+        loras = write_adapters(model, Path(tmp), args.adapters)
+        server = Server(model, ["--max-batch", str(args.max_batch), "--max-queue", "64", "--eager",
+                                "--prefix-cache-gib", str(args.prefix_cache_gib),
+                                "--request-timeout", str(args.request_timeout),
                                 *(a for flag in loras for a in ("--lora", flag)), *args.serve_args.split()],
                         args.server_log)
+        shared = Shared(models=[MODEL] + [flag.partition("=")[0] for flag in loras], images=png_urls(len(SEEDS)),
+                        lock=threading.Lock())
+        tally = Tally(time.monotonic())
+        tally.read_rss, tally.memory_every = server.rss_mib, args.memory_every
+        stop = threading.Event()
         try:
-            tally = Tally()
-            tally.read_rss, tally.memory_every = server.read_rss, args.memory_every
-            start = time.monotonic()
-            deadline = start + args.minutes * 60
-            threads = [threading.Thread(target=client_loop, args=(i, server.url, deadline, tally, server.t0, models, mix))
+            sampler = threading.Thread(target=sample_loop, args=(server, stop, tally), daemon=True)
+            sampler.start()
+            deadline = time.monotonic() + args.minutes * 60
+            clients = [threading.Thread(target=client_loop,
+                                        args=(i, args.clients, server.url, deadline, tally, shared, mix))
                        for i in range(args.clients)]
-            threads.append(threading.Thread(target=scrape_loop, args=(server.url, deadline, tally, server.t0)))
-            for thread in threads:
+            for thread in clients:
                 thread.start()
-            for thread in threads:
+            for thread in clients:
                 thread.join()
-            wall = time.monotonic() - start
-            time.sleep(2)  # a last RSS sample with every request gone
+            wall = tally.now()
             health = httpx.get(f"{server.url}/health", timeout=10).json()
+            stop.set()
+            drain = drain_on_sigterm(server, shared, tally, grace=30)
         finally:
-            server.stop()
+            stop.set()
+            server.kill()
+    report(args, tally, mix, width, wall, health, drain)
 
-    rss = [m for _, m in server.rss]
-    warm = [m for s, m in server.rss if s >= server.rss[0][0] + 60] or rss  # after the first minute
-    print(f"{'kind':<11} {'served':>7} {'errors':>7} {'p50 s':>7} {'p99 s':>7} {'same answer':>12}")
-    for kind in mix:
-        errors = sum(n for (k, _), n in tally.errors.items() if k == kind)
-        lat = tally.latency[kind]
-        same = (f"{tally.checked[kind] - tally.mismatched[kind]}/{tally.checked[kind]}"
-                if kind in tally.checked else "-")
-        p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
-        print(f"{kind:<11} {tally.served[kind]:>7} {errors:>7} {p50 or 0:>7.2f} {p99 or 0:>7.2f} {same:>12}")
-    all_lat = [x for k in mix for x in tally.latency[k] if k != "drop"]
-    print(f"requests served {sum(tally.served.values())} in {wall / 60:.1f} min; errors {dict(tally.errors) or 'none'}")
-    print(f"server RSS MiB: start {rss[0]:.0f}, after 1 min {warm[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}; "
-          f"idle at the end: active {health['active']}, waiting {health['waiting']}")
+
+def report(args, tally: Tally, mix: dict, width: float, wall: float, health: dict, drain: dict):
+    rows = windows(tally, width)
+    print(f"{'kind':<11} {'served':>7} {'errors':>7} {'malformed':>9} {'p50 s':>7} {'p99 s':>7} {'same answer':>12}")
+    for name in mix:
+        ended = [e for e in tally.ended if e[1] == name]
+        lat = [s for _, _, s, o in ended if o == "ok"]
+        same = f"{tally.compared[name] - tally.differing[name]}/{tally.compared[name]}" if tally.compared[name] else "-"
+        print(f"{name:<11} {sum(o == 'ok' for *_, o in ended):>7} {sum(o == 'error' for *_, o in ended):>7} "
+              f"{sum(o == 'malformed' for *_, o in ended):>9} {percentile(lat, 0.5) or 0:>7.2f} "
+              f"{percentile(lat, 0.99) or 0:>7.2f} {same:>12}")
+    drift = rss_drift(tally, args.minutes)
+    errors, malformed = sum(tally.errors.values()), sum(tally.malformed.values())
+    differing = sum(tally.differing.values())
+    print(f"{sum(o == 'ok' for *_, o in tally.ended)} answers in {wall / 60:.1f} min; unexpected errors "
+          f"{dict(tally.errors) or 0}; malformed {dict(tally.malformed) or 0}; notes {dict(tally.notes)}")
+    print(f"RSS: first {drift['span_min']:g} min {drift['first_mib']} MiB, last {drift['last_mib']} MiB "
+          f"({drift['change']:+.1%}); prefix cache at the end {health.get('prefix_cache')}")
+    print(f"SIGTERM with 2 requests running: {drain}")
     if tally.memory:
         print("server RSS MiB by requests ended: " + ", ".join(f"{n}: {m:.0f}" for n, m in tally.memory))
     lines = args.server_log.read_text(errors="replace").splitlines()
-    problems = [i for i, line in enumerate(lines) if "Traceback" in line or " 500 " in line or "ERROR" in line]
-    for i in problems[:5]:
+    for i in [i for i, line in enumerate(lines) if "Traceback" in line][:3]:
         print("server log:", "\n  ".join(lines[i:i + 25]))
-    finished = collections.Counter()
-    for (name, labels), value in tally.metrics.items():
-        if name == "dgemma_engine_requests_finished_total":
-            finished[dict(labels)["model"]] += value
-    scraped_errors = {dict(labels)["kind"]: v for (name, labels), v in tally.metrics.items()
-                      if name == "dgemma_errors_total" and v}
-    print(f"/metrics scraped {tally.scrapes} times; engine requests finished by model (last scrape): "
-          f"{dict(finished)}; errors by kind: {scraped_errors or 'none'}")
-    plot(server, tally, args.plot, args.minutes, args.clients)
+    plot(tally, rows, args.plot, f"dgemma serve soak: {args.clients} clients, {wall / 60:.3g} min, every kind at once")
     print(f"plot: {args.plot}")
+    lat = [s for _, k, s, o in tally.ended if o == "ok" and k not in ("drop", "metrics")]
     summary = {
-        "minutes": round(wall / 60, 2), "clients": args.clients, "served": sum(tally.served.values()),
-        "served_by_kind": dict(tally.served),
-        "errors": {f"{k}: {w}": n for (k, w), n in tally.errors.items()},
-        "determinism": {"compared": sum(tally.checked.values()), "mismatched": sum(tally.mismatched.values())},
-        "latency_s": {"p50": percentile(all_lat, 0.5), "p99": percentile(all_lat, 0.99),
-                      **{k: {"p50": percentile(tally.latency[k], 0.5), "p99": percentile(tally.latency[k], 0.99)}
-                         for k in mix}},
-        "rss_mib": {"start": round(rss[0], 1), "after_1_min": round(warm[0], 1), "end": round(rss[-1], 1),
-                    "max": round(max(rss), 1), "growth_after_1_min": round(rss[-1] - warm[0], 1)},
+        "minutes": round(wall / 60, 2), "clients": args.clients, "adapters": args.adapters,
+        "served": sum(o == "ok" for *_, o in tally.ended),
+        "served_by_kind": dict(collections.Counter(k for _, k, _, o in tally.ended if o == "ok")),
+        "unexpected_errors": {f"{k}: {w}": n for (k, w), n in tally.errors.items()},
+        "malformed": {f"{k}: {w}": n for (k, w), n in tally.malformed.items()},
+        "compared": sum(tally.compared.values()), "differing": differing, "notes": dict(tally.notes),
+        "largest_gap": dict(tally.largest_gap),
+        "latency_s": {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99)},
+        "rss_drift": drift, "rss_max_mib": round(max(m for _, m, _ in tally.samples), 1),
+        "prefix_cache": health.get("prefix_cache"), "idle_at_end": health["active"] == 0 and health["waiting"] == 0,
+        "metrics_scrapes": tally.scrapes, "sigterm": drain, "windows": rows,
         "rss_mib_by_requests": [[n, round(m, 1)] for n, m in tally.memory],
-        "idle_at_end": health["active"] == 0 and health["waiting"] == 0,
-        "adapters": args.adapters, "metrics_scrapes": tally.scrapes, "finished_by_model": dict(finished),
-        "metrics_errors_by_kind": scraped_errors,
+        "tracebacks": sum("Traceback" in line for line in lines),
     }
     print(json.dumps(summary))
+    clean = not errors and not malformed and not differing and drain["ok"] and summary["idle_at_end"] \
+        and not summary["tracebacks"]
+    if args.check and not clean:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

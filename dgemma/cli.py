@@ -59,10 +59,11 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from dgemma.devices import DeviceError
     from dgemma.parallel.plan import SplitError
     from dgemma.tokenizer import TokenizerError
+    from dgemma.training.state import CheckpointWriteError
     from dgemma.weights.checkpoint import CheckpointError
 
     return (UsageError, ConfigError, DeviceError, CheckpointError, SplitError, TokenizerError, FileNotFoundError,
-            IsADirectoryError, PermissionError)
+            IsADirectoryError, PermissionError, CheckpointWriteError)
 
 
 # Commands that generate: they free and reallocate (B, L, V)-sized buffers at every denoising step.

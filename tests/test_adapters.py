@@ -68,6 +68,9 @@ def test_adapters_served_by_name_beside_the_base_model(lora_run, tiny_model_dir)
             request = Engine(model, max_batch=1, max_length=256).generate(
                 [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32), seeds=[seed])[0]
             references[name, seed] = tokenizer.decode(request.tokens)
+    cached = Engine(model, max_batch=1, max_length=256).generate(  # the base model with the step cache
+        [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32, step_cache=True), seeds=[4])[0]
+    references[MODEL, "step cache"] = tokenizer.decode(cached.tokens)
     assert all(references["ft", s] != references[MODEL, s] for s in (1, 2, 3))  # the adapter changes the answers
 
     s = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "6", "--lora", f"ft={lora_run / 'adapter'}")
@@ -81,10 +84,20 @@ def test_adapters_served_by_name_beside_the_base_model(lora_run, tiny_model_dir)
             out = client.completions.create(model=job[0], prompt=prompt, max_tokens=32, seed=job[1])
             return out.model, out.choices[0].text
 
-        with ThreadPoolExecutor(len(jobs)) as pool:
+        def ask_with_the_step_cache():  # beside the adapter rows: a step-cache forward holds base rows alone
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, seed=4,
+                                            extra_body={"step_cache": True})
+            return out.model, out.choices[0].text
+
+        with ThreadPoolExecutor(len(jobs) + 1) as pool:
+            step_cache = pool.submit(ask_with_the_step_cache)
             answers = dict(zip(jobs, pool.map(ask, jobs)))
+            answers[MODEL, "step cache"] = step_cache.result()
         for job, (served_as, text) in answers.items():
             assert served_as == job[0] and text == references[job], job
+        with pytest.raises(openai.BadRequestError) as caught:  # not with an adapter yet
+            client.completions.create(model="ft", prompt=prompt, max_tokens=16, extra_body={"step_cache": True})
+        assert caught.value.body["param"] == "step_cache" and "'ft' is one" in caught.value.body["message"]
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model="ft2", prompt=prompt, max_tokens=16)
         assert caught.value.body["code"] == "model_not_found"
@@ -100,3 +113,62 @@ def test_an_adapter_of_another_base_model_is_refused(lora_run, tmp_path):
                            "--lora", f"ft={lora_run / 'adapter'}"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "trained on another base model" in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def random_adapter(tiny_model_dir, tmp_path_factory):
+    """A random rank-2 adapter of the tiny model's q_proj, as a PEFT folder."""
+    from dgemma.weights.peft import write_peft_adapter
+
+    model = dgemma.load_model(tiny_model_dir)
+    q = model.layers[0].self_attn.q_proj
+    weights = {"layers.0.self_attn.q_proj.lora_A": torch.randn(2, q.in_features),
+               "layers.0.self_attn.q_proj.lora_B": torch.randn(q.out_features, 2)}
+    return write_peft_adapter(tmp_path_factory.mktemp("adapter") / "a", weights, rank=2, alpha=4, dropout=0.0,
+                              base_model=str(tiny_model_dir), config=model.config)
+
+
+def _damage(folder, how: str):
+    import json
+
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    if how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "config not JSON":
+        config.write_text(config.read_text()[:40])
+    elif how == "no r":
+        config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "r"}))
+    else:  # one half of a pair
+        from safetensors.torch import load_file, save_file
+
+        save_file({k: v for k, v in load_file(weights).items() if "lora_B" not in k}, weights)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated weights", "adapter_model.safetensors: unreadable safetensors file (Error while deserializing header"),
+    ("config not JSON", "adapter_config.json: not valid JSON"),
+    ("no r", "adapter_config.json: r and lora_alpha must be numbers, got None and 4"),
+    ("half a pair", "q_proj has lora_A but not its other half"),
+])
+def test_a_damaged_adapter_is_one_line(random_adapter, tmp_path, how, message):
+    import shutil
+
+    from dgemma.model.adapters import AdapterError
+    from dgemma.weights.peft import read_peft_adapter
+
+    folder = shutil.copytree(random_adapter, tmp_path / "damaged")
+    _damage(folder, how)
+    with pytest.raises(AdapterError) as caught:
+        read_peft_adapter("x", folder)
+    assert message in str(caught.value) and "\n" not in str(caught.value), caught.value
+
+
+def test_serve_with_a_truncated_adapter_is_one_line_and_exit_2(random_adapter, tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(random_adapter, tmp_path / "damaged")
+    _damage(folder, "truncated weights")
+    proc = subprocess.run([sys.executable, "-m", "dgemma", "serve", "--model", str(tiny_model_dir), "--eager",
+                           "--lora", f"x={folder}"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "adapter_model.safetensors: unreadable safetensors file" in proc.stderr, proc.stderr

@@ -235,6 +235,35 @@ def test_playground_sudoku_mode(tmp_path, browser):
         server.stop()
 
 
+def test_playground_shows_each_samplers_moves(tiny_model_dir, browser):
+    """The sampler chosen on the page reaches the request, its settings show for it alone, and the canvas outlines
+    DDIM's corrector sweeps and block refinement's edits as the drafts arrive."""
+    server = ServerProcess(tiny_model_dir, api_key=None)
+    try:
+        browser.open(server.url + "/")
+        browser.wait_for("document.body.dataset.state === 'idle'")
+        assert browser.js("document.getElementById('sampler').options[0].textContent") == "model's (entropy-bound)"
+        visible = "[...document.querySelectorAll('label[data-sampler]')].filter(l => !l.hidden).map(l => l.dataset.sampler)"
+        assert browser.js(visible) == ["entropy-bound"]
+        choose = "(s => {{ s.value = '{}'; s.dispatchEvent(new Event('change')); }})(document.getElementById('sampler'))"
+        browser.js(choose.format("ddim"))
+        assert browser.js(visible) == ["block-refinement ddim", "ddim"]
+        run_page(browser, prompt="hello world", seed="5", steps="7", **{"max-tokens": "16", "corrector-steps": "1",
+                                                                      "temperature": "1"})
+        # 7 forwards: three of them sweeps redrawing one position each (a reader that falls behind sees only the
+        # newest draft, so some may be skipped, never all)
+        sweeps = browser.js("playground.sweeps")
+        assert 1 <= sweeps <= 3 and browser.js("playground.corrections") == sweeps
+        browser.js(choose.format("block-refinement"))
+        run_page(browser, prompt="hello world", seed="5", steps="7", **{"max-tokens": "16", "editing-threshold": "0.01",
+                                                                      "temperature": "1"})
+        assert browser.js("playground.edits") > 0 and browser.js("playground.sweeps") == 0
+        assert browser.page_errors() == []
+        browser.screenshot(ARTIFACTS / "playground-block-refinement.png")
+    finally:
+        server.stop()
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

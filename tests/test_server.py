@@ -203,10 +203,12 @@ def test_chat_uses_the_chat_template(client, reference):
 
 
 def test_token_id_prompt_and_default_max_tokens(client):
+    """No max_tokens: a completion writes OpenAI's documented 16 for the endpoint, a chat as many whole canvases
+    as fit after its prompt (256 context), unless EOS comes first."""
     out = client.completions.create(model=MODEL, prompt=[2, 100, 101], seed=3, extra_body={"steps": 2})
-    # no max_tokens: as many whole canvases as fit after the prompt (256 - 3 -> 240), unless EOS first
-    assert out.usage.completion_tokens <= 240
-    assert out.choices[0].finish_reason == ("length" if out.usage.completion_tokens == 240 else "stop")
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    answer = chat(client, seed=3, extra_body={"steps": 2})
+    assert 16 < answer.usage.completion_tokens <= 256 - answer.usage.prompt_tokens
 
 
 def test_streaming_sends_each_canvas_as_it_lands(client):
@@ -317,6 +319,16 @@ BAD_BODIES = [
     ({"fixed_steps": "yes"}, "fixed_steps: Input should be a valid boolean"),
     ({"step_cache": "yes"}, "step_cache: Input should be a valid boolean"),
     ({"step_cache": 1}, "step_cache: Input should be a valid boolean"),
+    ({"sampler": "beam"}, "sampler: Input should be 'entropy-bound', 'block-refinement' or 'ddim'"),
+    ({"sampler": "block-refinement", "corrector_steps": 1},
+     "corrector_steps: a setting of the ddim sampler, not of block-refinement"),
+    ({"sampler": "ddim", "entropy_bound": 0.3}, "entropy_bound: a setting of the entropy-bound sampler, not of ddim"),
+    ({"commit_threshold": 0.5}, "commit_threshold: a setting of the block-refinement sampler, not of entropy-bound"),
+    ({"sampler": "ddim", "corrector_steps": 1, "step_cache": True}, "cannot run with the step cache"),
+    ({"sampler": "ddim", "corrector_selection": "best"}, "corrector_selection: Input should be 'lowest_log_margin'"),
+    ({"sampler": "ddim", "corrector_k": 0}, "corrector_k: Input should be greater than or equal to 1"),
+    ({"temperature": -1}, "temperature: Input should be greater than or equal to 0"),
+    ({"sampler": "block-refinement", "editing_threshold": 1.5}, "editing_threshold: Input should be less than or equal to 1"),
     ({"stream": True, "stream_options": {"include_drafts": "please"}}, "stream_options.include_drafts"),
     ({"stream_options": {"include_drafts": True}}, "only allowed with stream: true"),
     ({"stop": [1, 2]}, "stop: expected a non-empty string"),

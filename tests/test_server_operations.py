@@ -103,12 +103,13 @@ def test_request_ids_and_access_log(server):
 
 def test_sigterm_drains_then_exits_zero(tiny_model_dir):
     """Mid-stream SIGTERM: new requests 503, the short stream ends with its finish_reason, the one that outlives
-    --shutdown-grace ends with an error event, exit code 0."""
-    s = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "2", "--shutdown-grace", "4")
+    --shutdown-grace ends with an error event, exit code 0. The short stream's 40 steps take well under the
+    grace even on a loaded machine (at 200 ms a step)."""
+    s = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "2", "--shutdown-grace", "8")
     try:
         client = s.client()
         short = client.completions.create(model=MODEL, prompt="hello", max_tokens=64, seed=5, stream=True,
-                                          extra_body={"steps": 40, "fixed_steps": True})
+                                          extra_body={"steps": 10, "fixed_steps": True})  # 4 canvases x 10
         endless = client.completions.create(model=MODEL, prompt="world", max_tokens=240, seed=6, stream=True,
                                             extra_body={"steps": 1000, "fixed_steps": True})
         first = next(iter(short))  # the stream is open and running
@@ -137,6 +138,33 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir):
         assert "Traceback" not in s.proc.stderr.read()
     finally:
         s.stop()
+
+
+def test_request_timeout_ends_the_request_and_frees_its_row(tiny_model_dir):
+    """`--request-timeout 1`: a request that would run for many seconds gets a 504 (code request_timeout) after
+    about a second through the openai client, whole or streamed, its row is freed (the server goes idle), and a
+    short request then answers."""
+    server = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "1", "--request-timeout", "1")
+    try:
+        client = server.client()
+        long = dict(model=MODEL, prompt="hello", max_tokens=224, seed=1,
+                    extra_body={"steps": 200, "fixed_steps": True})  # 14 canvases x 200 steps: many seconds
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as error:
+            client.completions.create(**long)
+        took = time.monotonic() - start
+        assert error.value.status_code == 504 and error.value.body["code"] == "request_timeout", error.value.body
+        assert "--request-timeout" in error.value.body["message"] and 1 <= took < 10, took
+        server.wait_idle(timeout=10)  # the row went with it
+        with pytest.raises(openai.APIError) as error:
+            for _ in client.completions.create(**long, stream=True):
+                pass
+        assert error.value.body["code"] == "request_timeout", error.value.body
+        server.wait_idle(timeout=10)
+        short = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, seed=1, extra_body={"steps": 2})
+        assert short.choices[0].finish_reason == "length"
+    finally:
+        server.stop_cleanly()
 
 
 @pytest.mark.slow  # one cold compile of the tiny model's step (minutes on 2 cores)

@@ -211,7 +211,7 @@ def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path)
     assert step_cache_overrides(args) == dict(step_cache=True, settle_steps=3, settle_probability=0.9, cache_refresh=4)
     assert step_cache_overrides(p.parse_args([]))["step_cache"] is None  # the model's setting
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--ar", "--step-cache", "on"]) == 2
-    assert "--step-cache works with the diffusion sampler, not with --ar" in capsys.readouterr().err
+    assert "--step-cache works with the diffusion samplers, not with --ar" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(tmp_path), "--prompt", "x", "--settle-probability", "2"])
     assert e.value.code == 2 and "must be in [0, 1]" in capsys.readouterr().err

@@ -217,3 +217,24 @@ def test_server_prebuilds_json_object_into_its_disk_cache(gemma_tokenizer_model_
         assert [p.stat().st_mtime_ns for p in cache.glob("*.pt")] == [written]  # read, not built again
     finally:
         second.stop_cleanly()
+
+
+@pytest.mark.parametrize("fields", [dict(sampler="block-refinement", temperature=1.0, editing_threshold=0.05),
+                                    dict(sampler="ddim", temperature=1.0, corrector_steps=1, corrector_k=4)],
+                         ids=["block-refinement editing", "ddim corrector"])
+def test_each_sampler_writes_valid_answers_and_the_engine_equals_the_plain_loop(gemma_model, fields):
+    """Block refinement (editing committed tokens) and DDIM (its corrector sweeps redrawing positions) commit
+    answers that validate, the engine's tokens the plain loop's."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+
+    model, tokenizer, vocab = gemma_model
+    sampling = model.sampling_config.replace(max_new_tokens=160, max_denoising_steps=5, **fields)
+    automaton = json_schema_constraint(SCHEMAS["nested"], vocab)
+    prompt = _prompt(tokenizer)
+    requests = Engine(model, max_batch=2, max_length=256).generate([prompt] * 2, sampling, seeds=[20, 21],
+                                                                 constraints=[automaton] * 2)
+    for seed, request in zip((20, 21), requests):
+        assert request.finish_reason == "stop", seed
+        jsonschema.validate(json.loads(tokenizer.decode(request.tokens)), SCHEMAS["nested"])
+        assert generate(model, [prompt], sampling, seed=seed, constraint=automaton).tokens[0] == request.tokens

@@ -17,6 +17,7 @@ import torch
 
 import dgemma
 
+from conftest import torch_threads
 from test_training import reversal_records, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,3 +82,54 @@ def test_killed_run_resumes_to_the_same_loss_curve_and_weights(tmp_path):
     a, b = dgemma.load_model(killed / "model"), dgemma.load_model(reference / "model")
     for x, y in zip(a.state_dict().values(), b.state_dict().values()):
         assert torch.allclose(x, y, atol=1e-6, rtol=0)
+
+
+def test_a_checkpoint_write_that_fails_midway_loses_nothing(tmp_path, monkeypatch, capsys):
+    """The disk fills while the second checkpoint is written (DCP's writer raises ENOSPC after its first tensor):
+    `dgemma train` says so in one line and exits 2, the partial write is gone, the first checkpoint is whole, and
+    `--resume` from it ends where an uninterrupted run ends, losses and weights."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from dgemma.cli import main
+    from dgemma.training import distributed as D
+
+    data = write_jsonl(tmp_path / "task.jsonl", reversal_records(64))
+
+    def flags(out: Path, *extra: str) -> list[str]:  # `dgemma train ...`, run in this process
+        return train_command(data, out, "--steps", "12", "--save-every", "4", "--log-every", "2", *extra)[3:]
+
+    writes, saves = dcp_files._write_item, D.save_state
+    saving: list[str] = []  # the folder being written, and one entry per tensor written into it
+
+    def save_state(folder, *args, **kwargs):
+        saving[:] = [str(folder)]
+        return saves(folder, *args, **kwargs)
+
+    def disk_full(*args, **kwargs):
+        saving.append("tensor")
+        if ".step-0000008." in saving[0] and len(saving) > 2:  # one tensor of step 8 written, then no space
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return writes(*args, **kwargs)
+
+    with torch_threads(1):
+        assert main(flags(tmp_path / "reference")) == 0
+        run = tmp_path / "full-disk"
+        with monkeypatch.context() as patch:
+            patch.setattr(D, "save_state", save_state)
+            patch.setattr(dcp_files, "_write_item", disk_full)
+            capsys.readouterr()
+            assert main(flags(run)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == ("dgemma train: error: writing the checkpoint of step 8 failed ([Errno 28] No space left on "
+                           "device); step-0000004 is intact: --resume continues from it"), err
+        assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000004"]  # the partial write is gone
+        assert main(flags(run, "--resume")) == 0
+    expected, got = losses(tmp_path / "reference"), losses(run)
+    assert sorted(got) == sorted(expected) == list(range(2, 13, 2))
+    for step in expected:
+        assert abs(got[step] - expected[step]) < 1e-6, (step, got[step], expected[step])
+    a, b = dgemma.load_model(run / "model"), dgemma.load_model(tmp_path / "reference" / "model")
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(x, y)

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from dgemma.config import ACCEPT_ORDERS
+from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, SAMPLER_SETTINGS, SAMPLERS, settings_not_read
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -187,7 +187,73 @@ def add_denoising_arguments(g):
     g.add_argument("--accept-order", choices=ACCEPT_ORDERS, default=None,
                    help="which positions a step accepts first: lowest entropy (the reference), widest top-2 "
                         "probability margin, or highest top-1 probability; the bound applies to each")
+    add_sampler_arguments(g)
     add_step_cache_arguments(g)
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+# the flags of block refinement's and DDIM's settings (the entropy bound's are add_denoising_arguments' own)
+OTHER_SAMPLERS_FLAGS = tuple(dict.fromkeys(f for s in SAMPLERS[1:] for f in SAMPLER_SETTINGS[s]))
+
+
+def sampler_list(text: str) -> list[str]:
+    """`dgemma bench --sampler`'s type: one sampler or several, comma-separated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SAMPLERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected samplers from {', '.join(SAMPLERS)} (comma-separated), got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def add_sampler_arguments(g, *, several: bool = False):
+    """--sampler and the settings of block refinement and DDIM (dgemma.sampling.samplers); `several`: --sampler
+    takes a comma-separated list (`dgemma bench` times each)."""
+    what = ("what turns each step's logits into the next canvas: entropy-bound (the model's own), "
+            "block-refinement (commit the most confident, an even share of the canvas per step) or ddim "
+            "(ancestral steps from the uniform process's exact posterior); --steps is each one's decoder forwards "
+            "per canvas (default: the model's generation_config.json, else entropy-bound)")
+    if several:
+        g.add_argument("--sampler", type=sampler_list, default=None, metavar="NAME[,NAME...]",
+                       help=what + "; several are timed side by side, the first as the headline engine")
+    else:
+        g.add_argument("--sampler", choices=SAMPLERS, default=None, help=what)
+    g.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="block-refinement and ddim: the temperature their predictions are drawn at (default 0: "
+                        "the argmax; the entropy bound anneals --t-max to --t-min instead)")
+    g.add_argument("--commit-threshold", type=non_negative_float, default=None,
+                   help="block-refinement: also commit every position more confident than this (default 0.95)")
+    g.add_argument("--editing-threshold", type=non_negative_float, default=None,
+                   help="block-refinement: a committed token the model now predicts otherwise with more confidence "
+                        "than this is replaced (default 0: no editing)")
+    g.add_argument("--corrector-steps", type=non_negative_int, default=None,
+                   help="ddim: Gibbs corrector sweeps after each of the first predictor steps, out of --steps "
+                        "(default 0: plain ancestral sampling)")
+    g.add_argument("--corrector-k", type=positive_int, default=None,
+                   help="ddim: positions one corrector sweep draws again (default 1)")
+    g.add_argument("--corrector-selection", choices=CORRECTOR_SELECTIONS, default=None,
+                   help="ddim: how a sweep picks its positions, least confident first (default lowest_log_margin)")
+    g.add_argument("--corrector-selection-tau", type=positive_float, default=None,
+                   help="ddim: temperature of that choice's Gumbel-top-k (default 1; lower is greedier)")
+
+
+def sampler_overrides(args) -> dict:
+    """The settings of `add_sampler_arguments` other than --sampler, as `SamplingConfig.replace` keywords (None
+    keeps the model's)."""
+    return {k: getattr(args, k, None) for k in OTHER_SAMPLERS_FLAGS}
+
+
+def check_sampler_flags(args, samplers: str | list[str]):
+    """UsageError for a sampler setting given on the command line that none of `samplers` reads."""
+    given = {name: getattr(args, name, None) for name in (*SAMPLER_SETTINGS["entropy-bound"], *OTHER_SAMPLERS_FLAGS)}
+    problem = settings_not_read(samplers if isinstance(samplers, str) else tuple(samplers), given, as_flags=True)
+    if problem:
+        raise UsageError(problem)
 
 
 def probability(text: str) -> float:
@@ -227,15 +293,35 @@ def step_cache_overrides(args) -> dict:
                 cache_refresh=args.cache_refresh)
 
 
-def refuse_step_cache_with_ar(args):
-    if getattr(args, "ar", False) and args.step_cache == "on":
-        raise UsageError("--step-cache works with the diffusion sampler, not with --ar")
+def refuse_sampler_flags_with_ar(args):
+    """--ar decodes left to right: --step-cache on, --sampler and the samplers' settings are a usage error there."""
+    if not getattr(args, "ar", False):
+        return
+    if args.step_cache == "on":
+        raise UsageError("--step-cache works with the diffusion samplers, not with --ar")
+    for name in ("sampler", *OTHER_SAMPLERS_FLAGS):
+        if getattr(args, name, None) is not None:
+            raise UsageError(f"--{name.replace('_', '-')} works with the diffusion samplers, not with --ar")
 
 
 def denoising_overrides(args) -> dict:
     """`add_denoising_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
     return dict(max_denoising_steps=args.steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max,
-                accept_order=args.accept_order, **step_cache_overrides(args))
+                accept_order=args.accept_order, sampler=args.sampler, **sampler_overrides(args),
+                **step_cache_overrides(args))
+
+
+def sampling_with_overrides(base, args, **more):
+    """`base` (a SamplingConfig) with the denoising flags' values and `more` (None keeps base's); a flag the
+    chosen sampler does not read, or a combination the config refuses, is a usage error."""
+    from dgemma.config import ConfigError
+
+    overrides = {**denoising_overrides(args), **more}
+    check_sampler_flags(args, overrides["sampler"] or base.sampler)
+    try:
+        return base.replace(**overrides)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def add_sampling_arguments(p):
@@ -247,12 +333,8 @@ def add_sampling_arguments(p):
 
 
 def sampling_from_args(model, args):
-    return model.sampling_config.replace(
-        max_new_tokens=args.max_new_tokens,
-        fixed_steps=True if args.fixed_steps else None,
-        seed=args.seed,
-        **denoising_overrides(args),
-    )
+    return sampling_with_overrides(model.sampling_config, args, max_new_tokens=args.max_new_tokens,
+                                   fixed_steps=True if args.fixed_steps else None, seed=args.seed)
 
 
 def resolve_device_dtype(args):

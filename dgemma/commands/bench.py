@@ -10,16 +10,20 @@ import json
 import sys
 
 from dgemma.commands import _tensor_parallel
+from dgemma.config import SAMPLERS, ConfigError
 from dgemma.commands._common import (
     UsageError,
     add_compile_arguments,
     add_int8_compute_argument,
     add_revision_argument,
+    add_sampler_arguments,
     add_step_cache_arguments,
     apply_int8_compute,
+    check_sampler_flags,
     compile_mode,
     plot_file,
     require_extra,
+    sampler_overrides,
     step_cache_overrides,
     wants_compile,
 )
@@ -57,6 +61,9 @@ def add_arguments(p):
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive comparison")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-stopping run")
+    add_sampler_arguments(p.add_argument_group(
+        "the sampler: several (--sampler entropy-bound,ddim) add the engine with each further one (system "
+        "...-SAMPLER) beside the first"), several=True)
     add_step_cache_arguments(p.add_argument_group(
         "the step cache: --step-cache on adds the engine with it (system ...-step-cache) beside the engine"))
     p.add_argument("--glibc-malloc-defaults", dest="keep_freed_memory", action="store_false",
@@ -92,13 +99,33 @@ def _batches(args) -> list[int]:
 
 
 def _sampling_configs(args, model, new_tokens: int, never: tuple):
-    """The timed runs' sampling: a fixed step count, the adaptive stop, and the fixed one with the step cache
-    (None unless --step-cache on)."""
-    fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps,
-                                          fixed_steps=True, eos_token_ids=never, seed=args.seed)
-    adaptive = model.sampling_config.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
-    cache_settings = step_cache_overrides(args)
-    return fixed, adaptive, fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
+    """The timed runs' sampling: a fixed step count, the adaptive stop, the fixed one with the step cache (None
+    unless --step-cache on), and the fixed one with each further --sampler ({sampler: config})."""
+    samplers = args.sampler or [model.sampling_config.sampler]
+    check_sampler_flags(args, samplers)
+    try:
+        base = model.sampling_config.replace(sampler=samplers[0], **sampler_overrides(args))
+        fixed = base.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps, fixed_steps=True,
+                             eos_token_ids=never, seed=args.seed)
+        adaptive = base.replace(max_new_tokens=new_tokens, eos_token_ids=never, seed=args.seed)
+        cache_settings = step_cache_overrides(args)
+        cached = fixed.replace(**cache_settings) if cache_settings["step_cache"] else None
+        others = {name: fixed.replace(sampler=name) for name in samplers[1:]}
+    except ConfigError as e:  # e.g. DDIM's corrector with the step cache
+        raise UsageError(str(e)) from None
+    return fixed, adaptive, cached, others
+
+
+def _transformers_beside(args, model, fixed, dtype, device):
+    """transformers' model for its generate's column, or None: --no-transformers, or a first sampler other than
+    the entropy bound (its generate samples with that one, so its column would not be the same work)."""
+    if args.no_transformers:
+        return None
+    if fixed.sampler != "entropy-bound":
+        print(f"transformers: skipped (its generate samples with the entropy bound, not {fixed.sampler})",
+              file=sys.stderr)
+        return None
+    return _transformers_model(args, model, dtype, device)
 
 
 def run(args):
@@ -122,10 +149,10 @@ def run(args):
     c = model.config
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS id outside the vocabulary: every row runs to new_tokens
-    fixed, adaptive, cached = _sampling_configs(args, model, new_tokens, never)
+    fixed, adaptive, cached, other_samplers = _sampling_configs(args, model, new_tokens, never)
     gen = torch.Generator().manual_seed(args.seed)
 
-    hf = None if args.no_transformers else _transformers_model(args, model, dtype, device)
+    hf = _transformers_beside(args, model, fixed, dtype, device)
     print(f"{name}: {c.param_counts()['total'] / 1e6:,.1f}M parameters, {device}, {str(dtype).replace('torch.', '')}, "
           f"canvas {c.canvas_length}, {new_tokens} new tokens, prompt {args.prompt_len}", file=sys.stderr)
     ran = _what_runs(model, batches[0], load_before)
@@ -141,6 +168,8 @@ def run(args):
     def compared(engine_system: str, batch: int, prompts) -> list:
         """Our engine, transformers and AR decoding, timed turn about (see `timing.interleave`)."""
         systems = [timing.EngineTimed(model, prompts, fixed, engine_system)]
+        systems += [timing.EngineTimed(model, prompts, sampling, f"{engine_system}-{name}")
+                    for name, sampling in other_samplers.items()]
         if cached is not None:
             systems.append(timing.EngineTimed(model, prompts, cached, engine_system + "-step-cache"))
         if hf is not None:
@@ -188,10 +217,8 @@ def run(args):
         _startup_table(startup)
     print("what ran: " + "\n          ".join(_what_runs_lines(ran)))
     result = _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran)
-    result["compile_mode"] = compile_mode(args, model) if compiling else None
-    result["cpu_int8_compute"] = model.int8_compute_on
-    result["what_ran"] = ran
-    result["startup"] = startup
+    result.update(sampler=fixed.sampler, compile_mode=compile_mode(args, model) if compiling else None,
+                  cpu_int8_compute=model.int8_compute_on, what_ran=ran, startup=startup)
     if tokens_check is not None:
         result["tokens_check"] = tokens_check
     if args.plot:
@@ -364,6 +391,12 @@ def _summary(rows, budgets, name, device, dtype, args, new_tokens, compiled_ran:
         if ratios:
             out["step_cache_speedup" + suffix] = ratios.get("1", next(iter(ratios.values())))
             out["step_cache_speedup" + suffix + "_by_batch"] = ratios
+    for group, engine, suffix in engines:  # each further sampler's engine against the first's
+        ratios = {s.removeprefix(engine + "-"): round(by[(g, s, b)].tokens_per_s / by[(group, engine, b)].tokens_per_s, 3)
+                  for (g, s, b) in by if g == group and b == min(b for (_, _, b) in by)
+                  and s.removeprefix(engine + "-") in SAMPLERS}
+        if ratios:
+            out["sampler_speed" + suffix] = ratios  # at the smallest batch
     for system, key in (("transformers", "speedup_vs_transformers"), ("ar", "speedup_vs_ar")):
         for group, engine, suffix in engines:
             ratios = {str(b): round(by[(group, engine, b)].tokens_per_s / by[(g, s, b)].tokens_per_s, 3)

@@ -54,8 +54,13 @@ def run_split(args, batches: list[int], device, dtype) -> int:
     plan = plan_bytes(c, ranks)[fmt] * (2 if dtype == torch.float32 and not args.quantize else 1)
     new_tokens = args.new_tokens or c.canvas_length
     never = (c.vocab_size + 1,)  # an EOS outside the vocabulary: every row runs to new_tokens
+    from dgemma.commands._common import check_sampler_flags, sampler_overrides
+
+    sampler = (args.sampler or [model.sampling_config.sampler])[0]  # the split bench times the first alone
+    check_sampler_flags(args, sampler)
     fixed = model.sampling_config.replace(max_new_tokens=new_tokens, max_denoising_steps=args.steps, fixed_steps=True,
-                                          eos_token_ids=never, seed=args.seed)
+                                          eos_token_ids=never, seed=args.seed, sampler=sampler,
+                                          **sampler_overrides(args))
     gen = torch.Generator().manual_seed(args.seed)  # the same prompts on every rank
     need = positions_needed(args.prompt_len, new_tokens, c.canvas_length)
     rows = []

@@ -20,7 +20,7 @@ from dgemma.commands._common import (
     open_images,
     prefix_cache_bytes,
     read_prompt,
-    refuse_step_cache_with_ar,
+    refuse_sampler_flags_with_ar,
     sampling_from_args,
     with_images,
 )
@@ -72,7 +72,7 @@ def run(args):
     from dgemma.sampling import seed_or_random
     from dgemma.tokenizer import Tokenizer
 
-    refuse_step_cache_with_ar(args)
+    refuse_sampler_flags_with_ar(args)
     text = agree(args, lambda: read_prompt(args.prompt))
     tokenizer = Tokenizer.from_folder(args.model)
     constraint = constraint_from_args(args, tokenizer)  # before loading: a bad schema or image fails at once

@@ -17,13 +17,16 @@ from dgemma.commands._common import (
     UsageError,
     add_model_arguments,
     add_prefix_cache_arguments,
+    add_sampler_arguments,
     add_step_cache_arguments,
     agree,
     compile_mode,
     load_from_args,
     non_negative_float,
+    positive_float,
     positive_int,
     prefix_cache_bytes,
+    sampler_overrides,
     step_cache_overrides,
     wants_compile,
 )
@@ -65,8 +68,13 @@ def add_arguments(p):
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may go on before their streams are ended "
                         "with an error event (new requests get 503 meanwhile; default %(default)s)")
+    p.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="end a request that has run this long (queue time included) with HTTP 504 (a stream: an "
+                        "error event) and free its batch row (default: no limit)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="the server's log level ('info' logs every request with its X-Request-Id)")
+    add_sampler_arguments(p.add_argument_group("the sampler: the requests' default (each request may set sampler "
+                                               "and its settings)"))
     add_step_cache_arguments(p.add_argument_group("the step cache (each request may set step_cache)"))
     g = p.add_argument_group("replicas on Ray Serve (pip install 'dgemma[ray]'; see docs/serving.md)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
@@ -109,11 +117,12 @@ def settings(args):
         allowed_image_domains=domains,
         automaton_cache=None if args.automaton_cache.lower() == "none" else args.automaton_cache,
         prebuild_json_object=args.prebuild_json_object, lora=tuple(args.lora), shutdown_grace=args.shutdown_grace,
-        log_level=args.log_level, prefill_chunk=args.prefill_chunk, deterministic=args.deterministic,
-        codec=functools.partial(task_codec, read_task(args.model)), tp=getattr(args, "tp", None),
-        replicas=args.replicas, ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
-        gpus_per_replica=args.gpus_per_replica, device=args.device,
-        step_cache=step_cache_overrides(args), tensor_parallel=args.tensor_parallel,
+        request_timeout=args.request_timeout, log_level=args.log_level, prefill_chunk=args.prefill_chunk,
+        deterministic=args.deterministic, codec=functools.partial(task_codec, read_task(args.model)),
+        tp=getattr(args, "tp", None), replicas=args.replicas, ray_address=args.ray_address,
+        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica, device=args.device,
+        step_cache=step_cache_overrides(args), sampler=dict(sampler=args.sampler, **sampler_overrides(args)),
+        tensor_parallel=args.tensor_parallel,
         command_line=tuple(getattr(args, "argv", ())))
 
 

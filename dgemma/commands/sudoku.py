@@ -13,10 +13,10 @@ from dgemma.commands._common import (
     add_int8_compute_argument,
     add_revision_argument,
     apply_int8_compute,
-    denoising_overrides,
+    sampling_with_overrides,
     maybe_compile,
     plot_file,
-    refuse_step_cache_with_ar,
+    refuse_sampler_flags_with_ar,
 )
 from dgemma.tasks.sudoku_models import SHIPPED, SHIPPED_AR
 
@@ -116,7 +116,7 @@ def _load(args):
 
     if args.rounds < 1 or args.candidates < 1:
         raise UsageError("--rounds and --candidates must be >= 1")
-    refuse_step_cache_with_ar(args)
+    refuse_sampler_flags_with_ar(args)
     folder = Path(args.model) if args.model else (SHIPPED_AR if args.ar else SHIPPED)
     if not (folder / "config.json").is_file():
         raise UsageError(f"no sudoku model at {folder}" + ("" if args.model else
@@ -135,7 +135,7 @@ def _load(args):
 def _sampling(model, args):
     from dgemma.tasks.sudoku_eval import sudoku_sampling
 
-    return sudoku_sampling(model, args.seed, **denoising_overrides(args))
+    return sampling_with_overrides(sudoku_sampling(model, args.seed), args)
 
 
 def _solve(args):

@@ -3,7 +3,16 @@
 
 from dgemma.config.model import FULL, SLIDING, ConfigError, ModelConfig, VisionConfig
 from dgemma.config.presets import PRESETS, get_preset
-from dgemma.config.sampling import ACCEPT_ORDERS, STEP_CACHE_KEYS, SamplingConfig
+from dgemma.config.sampling import (
+    ACCEPT_ORDERS,
+    CORRECTOR_SELECTIONS,
+    SAMPLER_KEYS,
+    SAMPLER_SETTINGS,
+    SAMPLERS,
+    STEP_CACHE_KEYS,
+    SamplingConfig,
+    settings_not_read,
+)
 
-__all__ = ["ACCEPT_ORDERS", "STEP_CACHE_KEYS", "ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS",
+__all__ = ["ACCEPT_ORDERS", "CORRECTOR_SELECTIONS", "SAMPLERS", "SAMPLER_KEYS", "SAMPLER_SETTINGS", "settings_not_read", "STEP_CACHE_KEYS", "ModelConfig", "VisionConfig", "SamplingConfig", "ConfigError", "PRESETS",
            "get_preset", "SLIDING", "FULL"]

@@ -12,10 +12,36 @@ from dgemma.config.model import ConfigError
 # The orders in which a denoising step accepts positions (dgemma.sampling.acceptance_uncertainty);
 # "entropy" is the reference's and the released model's.
 ACCEPT_ORDERS = ("entropy", "margin", "confidence")
+# The denoising samplers (dgemma.sampling.samplers): the model's own, and diffusers' other two DiffusionGemma
+# schedulers (BlockRefinementScheduler, DiscreteDDIMScheduler).
+SAMPLERS = ("entropy-bound", "block-refinement", "ddim")
+# How a DDIM corrector sweep picks the positions it draws again, least confident first (dgemma.sampling.ddim).
+CORRECTOR_SELECTIONS = ("lowest_log_margin", "lowest_maxprob", "lowest_current_prob", "random")
 
-
-
+# dgemma's own settings, kept in generation_config.json's "dgemma" section, one group at a time
 STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "cache_refresh")
+SAMPLER_KEYS = ("sampler", "temperature", "commit_threshold", "editing_threshold", "corrector_steps", "corrector_k",
+                "corrector_selection", "corrector_selection_tau")
+# the settings each sampler reads besides max_denoising_steps (every sampler's decoder forwards per canvas)
+SAMPLER_SETTINGS = {
+    "entropy-bound": ("entropy_bound", "t_min", "t_max", "accept_order"),
+    "block-refinement": ("temperature", "commit_threshold", "editing_threshold"),
+    "ddim": ("temperature", "corrector_steps", "corrector_k", "corrector_selection", "corrector_selection_tau"),
+}
+
+
+def settings_not_read(samplers: str | tuple[str, ...], given: dict[str, Any], *, as_flags: bool = False) -> str | None:
+    """The first sampler setting set in `given` (name -> value; None: not set) that none of `samplers` reads, as
+    "NAME: a setting of the READERS sampler, not of SAMPLERS" (NAME as a command-line flag with `as_flags`), or
+    None: what the command line and the server refuse."""
+    samplers = (samplers,) if isinstance(samplers, str) else tuple(samplers)
+    for name, value in given.items():
+        readers = [s for s, names in SAMPLER_SETTINGS.items() if name in names]
+        if value is not None and readers and not set(readers) & set(samplers):
+            shown = "--" + name.replace("_", "-") if as_flags else name
+            which = " and ".join(readers) + (" samplers" if len(readers) > 1 else " sampler")
+            return f"{shown}: a setting of the {which}, not of {' or '.join(samplers)}"
+    return None
 
 
 @dataclass
@@ -44,6 +70,17 @@ class SamplingConfig:
     settle_steps: int = 2
     settle_probability: float = 0.99
     cache_refresh: int = 0
+    # which sampler turns a step's logits into the next canvas (dgemma.sampling.samplers): "entropy-bound" (the
+    # model's own: entropy_bound, t_min/t_max, accept_order), "block-refinement" or "ddim" (diffusers'
+    # BlockRefinementScheduler and DiscreteDDIMScheduler); max_denoising_steps is each one's forwards per canvas
+    sampler: str = "entropy-bound"
+    temperature: float = 0.0  # block refinement and DDIM: what their predictions are drawn at (0: the argmax)
+    commit_threshold: float = 0.95  # block refinement: also commit every position more confident than this
+    editing_threshold: float = 0.0  # block refinement: replace a committed token predicted otherwise above this
+    corrector_steps: int = 0  # DDIM: Gibbs sweeps after each of the first predictor steps (0: none)
+    corrector_k: int = 1  # DDIM: positions one sweep draws again
+    corrector_selection: str = "lowest_log_margin"  # DDIM: how a sweep picks them (CORRECTOR_SELECTIONS)
+    corrector_selection_tau: float = 1.0  # DDIM: temperature of that Gumbel-top-k choice
 
     def __post_init__(self):
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -60,6 +97,19 @@ class SamplingConfig:
             (self.cache_refresh >= 0, "cache_refresh must be >= 0 (0: never)"),
             (self.accept_order in ACCEPT_ORDERS,
              f"accept_order must be one of {', '.join(ACCEPT_ORDERS)}, not {self.accept_order!r}"),
+            (self.sampler in SAMPLERS, f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}"),
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0"),
+            (self.commit_threshold >= 0 and math.isfinite(self.commit_threshold), "commit_threshold must be >= 0"),
+            (self.editing_threshold >= 0 and math.isfinite(self.editing_threshold),
+             "editing_threshold must be >= 0 (0: no editing)"),
+            (self.corrector_steps >= 0, "corrector_steps must be >= 0"),
+            (self.corrector_k >= 1, "corrector_k must be >= 1"),
+            (self.corrector_selection in CORRECTOR_SELECTIONS, "corrector_selection must be one of "
+             f"{', '.join(CORRECTOR_SELECTIONS)}, not {self.corrector_selection!r}"),
+            (self.corrector_selection_tau > 0 and math.isfinite(self.corrector_selection_tau),
+             "corrector_selection_tau must be > 0"),
+            (not (self.step_cache and self.sampler == "ddim" and self.corrector_steps > 0),
+             "DDIM's corrector sweeps (corrector_steps > 0) cannot run with the step cache"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -84,18 +134,24 @@ class SamplingConfig:
             kw["pad_token_id"] = gen["pad_token_id"]
         section = gen.get("dgemma") or {}
         if isinstance(section, dict):
-            kw.update({k: section[k] for k in STEP_CACHE_KEYS if section.get(k) is not None})
+            kw.update({k: section[k] for k in STEP_CACHE_KEYS + SAMPLER_KEYS if section.get(k) is not None})
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """`generation_config.json`'s fields; `accept_order` only when it is not the reference's, and the step
-        cache's settings in a "dgemma" section only when one differs from its default (transformers keeps a
-        key it does not know as an attribute and ignores it, so such a file still loads there)."""
+        cache's settings and the sampler's in a "dgemma" section, each group only when one of its settings
+        differs from its default (transformers keeps a key it does not know as an attribute and ignores it, so
+        such a file still loads there; `sampler_config` stays the entropy bound's, the class transformers
+        rebuilds)."""
         order = {} if self.accept_order == "entropy" else {"accept_order": self.accept_order}
         defaults = SamplingConfig()
-        if any(getattr(self, k) != getattr(defaults, k) for k in STEP_CACHE_KEYS):
-            order["dgemma"] = {k: getattr(self, k) for k in STEP_CACHE_KEYS}
+        section = {}
+        for keys in (STEP_CACHE_KEYS, SAMPLER_KEYS):
+            if any(getattr(self, k) != getattr(defaults, k) for k in keys):
+                section.update({k: getattr(self, k) for k in keys})
+        if section:
+            order["dgemma"] = section
         return {
             "max_denoising_steps": self.max_denoising_steps,
             # transformers rebuilds the sampler dataclass from its class name

@@ -146,8 +146,9 @@ class Engine:
             raise ValueError("a canvas template or a verifier cannot be combined with a constraint")
         check_search(request.max_rounds, 1)
         self._check_images(request)
-        if request.sampling.step_cache and self.model.step_cache_refusal() is not None:
-            raise ValueError(self.model.step_cache_refusal())
+        refusal = self.model.step_cache_refusal(request.adapter) if request.sampling.step_cache else None
+        if refusal is not None:  # a step-cache forward holds step-cache rows alone (`_step_logits`)
+            raise ValueError(refusal)
         need = self.tokens_needed(len(request.prompt), request.sampling)
         if need > self.max_length:
             raise ValueError(
@@ -353,37 +354,52 @@ class Engine:
         (dgemma.generation.denoising, as the plain loop).
 
         The host learns what it schedules by from ONE read per step (`host_read`): each row's stop flag,
-        how many of its positions take a sample, and its argmax canvas (what a finished canvas commits).
+        how many of its positions take a sample, and what its canvas commits if it ends now (the argmax
+        canvas, or for block refinement and DDIM the canvas itself).
         Everything else stays queued on the device; the bookkeeping (steps, budgets, rows) is Python.
         """
         batch = self.generating
         logits = self._step_logits(batch)  # per row (1, L, V): the sampler turns each into probabilities in place
+        predicting = [r.state.denoising.predicting for r in batch]  # else a DDIM corrector sweep
         pending = [r.state.denoising.scan(logits[i], self.scan) for i, r in enumerate(batch)]
-        table = torch.cat([torch.cat([p.stop.long()[:, None], p.drawn_count[:, None], r.state.denoising.argmax], 1)
-                           for r, p in zip(batch, pending)])
-        read = host_read(table, "step")  # per row: [stop, drawn count, argmax canvas (L)]
+        table = torch.cat([torch.cat([p.stop.long()[:, None], p.drawn_count[:, None], p.candidate], 1)
+                           for p in pending])
+        read = host_read(table, "step")  # per row: [stop, drawn count, candidate canvas (L)]
         finished_canvases = []
-        for i, (r, step, (stop, drawn, *argmax)) in enumerate(zip(batch, pending, read)):
+        for i, (r, step, (stop, drawn, *candidate)) in enumerate(zip(batch, pending, read)):
             st = r.state
             denoising = st.denoising
             result = denoising.advance(step, [stop], drawn)
-            st.argmax_tokens = argmax
+            st.argmax_tokens = candidate
             st.forward_passes += 1
             if denoising.finished and st.answer is not None:  # it commits the most probable valid canvas
                 st.argmax_tokens = host_read(denoising.committed()[0], "constrained commit")
-            if not denoising.finished:
+            if not denoising.finished and predicting[i]:
                 # next step's self-conditioning: softmax of this step's temperature-scaled logits (the
-                # sampler left it in the buffer), kept as an embedding so the buffer can go
+                # sampler left it in the buffer), kept as an embedding so the buffer can go; a corrector
+                # sweep's forward leaves the last predictor step's in place
                 st.soft = self.runner.soft_embedding(logits[i][0])
-            if r.want_drafts:  # streaming drafts reads them: two more reads for such a request
-                st.emit(Event("draft", r.request_id, st.canvas_index, step=denoising.step_index - 1,
-                              tokens=list(st.argmax_tokens), entropy=host_read(result.entropy[0], "drafts"),
-                              accepted=host_read(result.accepted[0], "drafts")))
+            if r.want_drafts:  # streaming drafts reads them: more reads for such a request
+                st.emit(self._draft_event(r, step, result))
             if denoising.finished:
                 finished_canvases.append(r)
         del logits, pending
         if finished_canvases:
             self._commit(finished_canvases)
+
+    def _draft_event(self, r: Request, pending, result) -> Event:
+        """The "draft" event of a request's step: the argmax canvas, each position's entropy and whether it holds
+        the model's prediction; where the sampler did so, the positions it edited or a corrector sweep redrew."""
+        st = r.state
+        marks = torch.stack([result.accepted[0],
+                             result.edited[0] if result.edited is not None else torch.zeros_like(result.accepted[0]),
+                             result.corrected[0] if result.corrected is not None
+                             else torch.zeros_like(result.accepted[0])])
+        accepted, edited, corrected = (list(map(bool, row)) for row in host_read(marks, "drafts"))
+        tokens = st.argmax_tokens if st.denoising.sampler.commits_argmax else host_read(pending.draft[0], "drafts")
+        return Event("draft", r.request_id, st.canvas_index, step=st.denoising.step_index - 1, tokens=list(tokens),
+                     entropy=host_read(result.entropy[0], "drafts"), accepted=accepted, edited=edited,
+                     corrected=corrected, phase="predictor" if result.predictor else "corrector")
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
         """Each generating row's logits (1, L, V) for this step: rows without the step cache from one decoder

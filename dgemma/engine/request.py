@@ -33,11 +33,15 @@ class Event:
     request_id: str
     canvas_index: int
     step: int = 0
-    # "canvas": new tokens; "draft": the argmax canvas; "round": the positions the verifier rejected,
+    # "canvas": new tokens; "draft": the step's draft (the argmax canvas; with block refinement and DDIM the
+    # tokens the canvas holds where it holds a prediction); "round": the positions the verifier rejected,
     # which the round that starts now (number `step`) re-noises
     tokens: list[int] = field(default_factory=list)
     entropy: list[float] | None = None  # "draft": per position
-    accepted: list[bool] | None = None  # "draft": per position
+    accepted: list[bool] | None = None  # "draft": per position, whether it holds the model's prediction
+    edited: list[bool] | None = None  # "draft": per position, a committed token block refinement replaced
+    corrected: list[bool] | None = None  # "draft": per position, redrawn by a DDIM corrector sweep
+    phase: str = "predictor"  # "draft": "predictor" (a denoising step) or "corrector" (a DDIM corrector sweep)
     finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled" | "scored"
 
 

@@ -53,11 +53,13 @@ class Runner:
         return self.model.device
 
     def _adapters(self, rows: list[int]):
-        """While a forward over `rows` runs: each row's adapter, for a model that serves adapters."""
+        """While a forward over `rows` runs: each row's adapter, for a model that serves adapters. A forward
+        whose rows all run the base model skips the adapters' products (adapter 0 adds exactly zero)."""
         holder = self.model.adapter_rows
-        if holder is None:
+        adapters = [self.row_adapter[r] for r in rows]
+        if holder is None or not any(adapters):
             return contextlib.nullcontext()
-        return holder.set(to_device([self.row_adapter[r] for r in rows], torch.long, self.device))
+        return holder.set(to_device(adapters, torch.long, self.device))
 
     @torch.no_grad()
     def start_row(self, row: int, prompt: list[int], images=None, adapter: int = 0,

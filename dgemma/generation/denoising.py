@@ -26,8 +26,9 @@ import torch
 from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read
 from dgemma.generation.step_cache import StepCache
-from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens, temperature_schedule
-from dgemma.sampling.sampler import ScannedStep, draw_samples, scan_logits, scan_step
+from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens
+from dgemma.sampling.sampler import ScannedStep, scan_logits
+from dgemma.sampling.samplers import canvas_sampler
 
 
 @dataclass
@@ -35,8 +36,12 @@ class PendingStep:
     """A scanned step whose samples are not drawn yet: what the caller reads before `advance`."""
 
     scanned: ScannedStep
-    probs: torch.Tensor  # (B, L, V): softmax(logits / T), in the logits buffer
+    probs: torch.Tensor  # (B, L, V): softmax(logits / T), in the logits buffer (a corrector sweep: its logits)
     stop: torch.Tensor  # (B,) bool: the stop rule's verdict for each row
+    # (B, L) long: what the step shows: the argmax canvas, or (block refinement, DDIM) the tokens the canvas holds
+    # where it holds a prediction and the argmax elsewhere; a stopped row: its draft when it stopped
+    draft: torch.Tensor
+    candidate: torch.Tensor  # (B, L) long: what the canvas commits if it ends with this step
 
     @property
     def drawn_count(self) -> torch.Tensor:
@@ -76,6 +81,14 @@ class CanvasDenoising:
         self.chosen: dict[int, torch.Tensor] = {}  # constrained rows: the (L,) canvas each commits
         self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device)
                            if sampling.step_cache else None)
+        self.sampler = canvas_sampler(sampling, batch_size, canvas_length, vocab_size, device, fixed=fixed,
+                                      fixed_tokens=fixed_tokens)
+
+    @property
+    def predicting(self) -> bool:
+        """The next forward is a predictor step (its probabilities become the next self-conditioning), not a
+        DDIM corrector sweep (whose forward reads the last predictor step's)."""
+        return self.sampler.is_predictor(self.step_index)
 
     @property
     def decoder_positions(self) -> list[int]:
@@ -95,35 +108,50 @@ class CanvasDenoising:
         and the stop rule. Nothing is read back to the host."""
         s = self.sampling
         self.steps += ~self.done
-        temperature = temperature_schedule(self.step_index, s.max_denoising_steps, s.t_min, s.t_max)
-        scanned = scan_step(logits, temperature, s.entropy_bound, self.generator, fixed=self.fixed,
-                            fixed_tokens=self.fixed_tokens, scan=scan, accept_order=s.accept_order)
+        scanned = self.sampler.scan(logits, self.canvas, self.step_index, self.generator, scan=scan)
         # a stopped row keeps its draft
-        self.argmax = scanned.argmax if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax,
-                                                                                  scanned.argmax)
+        argmax = scanned.argmax if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax,
+                                                                             scanned.argmax)
+        draft = argmax
+        if not self.sampler.commits_argmax:  # what the canvas holds where it holds a prediction, the argmax elsewhere
+            held = torch.where(scanned.accepted, scanned.canvas, scanned.argmax)
+            draft = held if not any(self.done_rows) else torch.where(self.done[:, None], self.argmax, held)
+        if not scanned.predictor:  # a corrector sweep: the stop rule waits for the next predictor step
+            return PendingStep(scanned, logits, torch.zeros_like(self.done), draft, self.committed_now())
+        self.argmax = argmax
         stop, self.history = adaptive_stop(self.history, self.argmax, scanned.entropy, s.confidence_threshold,
                                            self.fixed)
-        return PendingStep(scanned, logits, stop)
+        if self.sampler.commits_argmax:
+            candidate = self.argmax
+        else:  # the canvas, or the draft where the stop rule ends it (a stopped row: what it committed)
+            ends = stop & ~self.done if not s.fixed_steps else torch.zeros_like(stop)
+            candidate = torch.where(self.done[:, None], self.canvas,
+                                    torch.where(ends[:, None], self.argmax, scanned.canvas))
+        return PendingStep(scanned, logits, stop, draft, candidate)
 
     def advance(self, pending: PendingStep, stop_rows: list[int], drawn: int) -> ScannedStep:
         """Draw the samples (`drawn` positions in all, as read with `stop_rows`), re-noise the rest, let
         constrained rows' accepted positions take tokens of a valid answer, and apply the stop rule.
         Returns the step's result (its entropy and accepted mask are what drafts show)."""
-        result = draw_samples(pending.scanned, drawn)
+        result = self.sampler.finish(pending.scanned, drawn)
         was_done = list(self.done_rows)
-        if self.answers is not None:
+        if self.answers is not None and result.predictor:
             for row, answer in enumerate(self.answers):
                 if answer is not None and not was_done[row]:
-                    result.canvas[row] = answer.guide(result.canvas[row], result.accepted[row], pending.probs[row],
+                    result.canvas[row] = answer.guide(result.canvas[row], result.drawn[row], pending.probs[row],
                                                       self.budget, self.generator)
         self.canvas = result.canvas if not any(was_done) else torch.where(self.done[:, None], self.canvas,
                                                                            result.canvas)
+        self.step_index += 1
+        if not result.predictor:
+            return result
         if self.step_cache is not None:
             self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done)
         if not self.sampling.fixed_steps:
+            if not self.sampler.commits_argmax:  # a row the stop rule ends commits its draft, as its canvas
+                self.canvas = torch.where((pending.stop & ~self.done)[:, None], self.argmax, self.canvas)
             self.done |= pending.stop
             self.done_rows = [d or bool(s) for d, s in zip(self.done_rows, stop_rows)]
-        self.step_index += 1
         if self.answers is not None:  # rows that stop here commit this step's most probable valid canvas
             last_step = self.step_index >= self.sampling.max_denoising_steps
             for row, answer in enumerate(self.answers):
@@ -132,10 +160,16 @@ class CanvasDenoising:
         return result
 
     def committed(self) -> torch.Tensor:
-        """(B, L) long: what the canvas commits: the argmax draft, or a constrained row's chosen canvas."""
+        """(B, L) long: what the canvas commits: the argmax draft (the entropy bound) or the canvas (the others;
+        a row the stop rule ended holds its draft), or a constrained row's chosen canvas."""
+        base = self.committed_now()
         if not self.chosen:
-            return self.argmax
-        out = self.argmax.clone()
+            return base
+        out = base.clone()
         for row, tokens in self.chosen.items():
             out[row] = tokens
         return out
+
+    def committed_now(self) -> torch.Tensor:
+        """(B, L) long: what the canvas would commit now, constraints aside."""
+        return self.argmax if self.sampler.commits_argmax else self.canvas

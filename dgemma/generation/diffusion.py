@@ -48,9 +48,11 @@ from dgemma.sampling import seed_or_random
 # (before its first EOS, within max_new_tokens; [] for a row already finished); finished[b] says the row
 # is done. Concatenating a row's new_tokens over all calls gives GenerationResult.tokens[b].
 OnCanvas = Callable[[int, list[list[int]], list[bool]], None]
-# on_draft(step, argmax_canvas (B, L), entropy (B, L), accepted (B, L) bool), after every denoising step
-# (step counts from 0 in each canvas). Rows that already stopped keep their argmax canvas; their entropy
-# and accepted mask belong to a step whose result was discarded.
+# on_draft(step, draft (B, L), entropy (B, L), accepted (B, L) bool), after every decoder forward (step counts
+# from 0 in each canvas; a DDIM corrector sweep counts as one): the draft is the argmax canvas, or with block
+# refinement and DDIM the tokens the canvas holds where it holds a prediction (accepted) and the argmax elsewhere.
+# Rows that already stopped keep their draft; their entropy and accepted mask belong to a step whose result was
+# discarded.
 OnDraft = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -288,13 +290,16 @@ def denoise_canvas(
         else:  # only the active positions run; stopped rows not at all
             logits = denoising.step_cache.logits_for(model, denoising.canvas, cache, denoising.done,
                                                      self_conditioning=self_conditioning)
-        self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
+        predicting = denoising.predicting  # else a DDIM corrector sweep: the next forward reads this signal too
+        if predicting:
+            self_conditioning = None  # release last step's logits: one (B, L, V) buffer alive while sampling
         pending = denoising.scan(logits)
         *stop_rows, drawn = host_read(torch.cat([pending.stop.long(), pending.drawn_count.sum().view(1)]), "step")
         result = denoising.advance(pending, stop_rows, drawn)
-        self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
+        if predicting:
+            self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
-            on_draft(denoising.step_index - 1, denoising.argmax, result.entropy, result.accepted)
+            on_draft(denoising.step_index - 1, pending.draft, result.entropy, result.accepted)
     if decoder_positions is not None:
         decoder_positions[:] = [d + c for d, c in zip(decoder_positions, denoising.decoder_positions)]
     return denoising.committed(), denoising.steps

@@ -102,9 +102,12 @@ class Experts(nn.Module):
         num_experts = self.gate_up_proj.shape[0]
         flat_expert, rank, counts = self._ranks(experts)
         entries = x.repeat_interleave(k, dim=0)  # (N*k, H) the token of every entry
-        if self.batched and self.grouped and x.device.type in self.grouped_devices and x.dtype in self.grouped_dtypes \
+        # under autocast (bf16 training on a GPU) the products run in autocast's dtype, whatever x's
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if self.batched and self.grouped and device in self.grouped_devices and dtype in self.grouped_dtypes \
                 and hasattr(torch, "_grouped_mm"):
-            out = self._in_expert_order(self._grouped, entries, flat_expert, rank, counts, counts)  # no host sync
+            out = self._in_expert_order(self._grouped, entries, flat_expert, rank, counts, counts, dtype)  # no sync
         else:
             busiest, active = int(counts.max()), int(counts.count_nonzero())
             grid_cost = num_experts * (busiest + self.grid_rows_per_expert)
@@ -122,11 +125,14 @@ class Experts(nn.Module):
         ordered = torch.empty_like(entries).index_copy_(0, row, entries)
         return run(ordered, *args)[row]
 
-    def _grouped(self, grouped_x, counts) -> torch.Tensor:
-        """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H); offsets stay on the device."""
+    def _grouped(self, grouped_x, counts, dtype=None) -> torch.Tensor:
+        """grouped_x (N*k, H) sorted by expert -> expert outputs (N*k, H) in `dtype` (default x's: the casts are
+        no-ops outside autocast, where x and the weights are in it already); offsets stay on the device."""
+        dtype = dtype or grouped_x.dtype
         ends = counts.cumsum(0).to(torch.int32)
-        hidden = gated_gelu(torch._grouped_mm(grouped_x, self.gate_up_proj.transpose(1, 2), offs=ends))
-        return torch._grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
+        gate_up, down = self.gate_up_proj.to(dtype).transpose(1, 2), self.down_proj.to(dtype).transpose(1, 2)
+        hidden = gated_gelu(torch._grouped_mm(grouped_x.to(dtype), gate_up, offs=ends))
+        return torch._grouped_mm(hidden, down, offs=ends)
 
     def _batched(self, entries, flat_expert, rank, capacity: int) -> torch.Tensor:
         """entries (N*k, H) -> expert outputs (N*k, H), via a grid of `capacity` columns per expert."""

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dgemma.config import ModelConfig, SamplingConfig
-from dgemma.device_sync import host_read
+from dgemma.device_sync import host_read, to_device
 from dgemma.model.attention import KVCache, canvas_mask, causal_mask, image_blocks, rope_inv_freq, rope_tables
 from dgemma.model.block import Block, place_after_prefix, place_in_canvas_slots
 from dgemma.model.layers import GatedMLP, RMSNorm
@@ -165,10 +165,11 @@ class DiffusionGemma(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def step_cache_refusal(self) -> str | None:
-        """Why this model cannot run the step cache's packed step (`decode_active`), or None: the one rule the
-        engine, the server and the commands ask."""
-        if self.adapter_rows is not None:
+    def step_cache_refusal(self, adapter: int = 0) -> str | None:
+        """Why this model cannot run the step cache's packed step (`decode_active`) for rows of LoRA adapter
+        `adapter` (0: the base model), or None: the one rule the engine, the server and the commands ask. A
+        step-cache forward holds step-cache rows alone, so base-model rows take it on a model serving adapters."""
+        if adapter and self.adapter_rows is not None:
             return "the step cache does not work with LoRA adapters yet"
         return None
 
@@ -208,8 +209,14 @@ class DiffusionGemma(nn.Module):
             raise ValueError("image input needs a vision tower, and this model has none (no vision weights)")
         if image_position_ids is None:
             raise ValueError("pixel_values come with image_position_ids (dgemma.images makes both)")
-        soft, filled = self.vision_tower(pixel_values.to(self.device), image_position_ids.to(self.device))
-        return self.embed_vision(soft[filled])
+        # checked and counted where the patches are (the host, from dgemma.images: no device read), and the
+        # soft tokens kept by an index made there (a mask would make the device's output size a host read)
+        counts = self.vision_tower.check(pixel_values, image_position_ids).tolist()  # (N,) soft tokens per image
+        filled = to_device(counts, torch.long, self.device)
+        soft, _ = self.vision_tower(pixel_values.to(self.device), image_position_ids.to(self.device), filled)
+        S = soft.shape[1]
+        keep = to_device([n * S + j for n, count in enumerate(counts) for j in range(count)], torch.long, self.device)
+        return self.embed_vision(soft.flatten(0, 1)[keep])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, tied LM head, soft-capping: (..., H) -> (..., V) fp32.
@@ -278,8 +285,9 @@ class DiffusionGemma(nn.Module):
         if pixel_values is not None:
             is_image = (input_ids == self.config.image_token_id) & valid  # (B, T)
             soft = self.embed_images(pixel_values, image_position_ids)
-            if int(is_image.sum()) != soft.shape[0]:
-                raise ValueError(f"the prompt holds {int(is_image.sum())} image tokens for the {soft.shape[0]} "
+            held = host_read(is_image.sum(), "image tokens")
+            if held != soft.shape[0]:
+                raise ValueError(f"the prompt holds {held} image tokens for the {soft.shape[0]} "
                                  f"soft tokens of {pixel_values.shape[0]} images")
             images = (is_image, soft)
             if self.config.use_bidirectional_attention == "vision":
@@ -423,7 +431,8 @@ class DiffusionGemma(nn.Module):
         order of float sums). Eager only (a compiled model runs this eagerly); not on every model
         (`step_cache_refusal`).
         """
-        refusal = self.step_cache_refusal()
+        adapted = self.adapter_rows is not None and self.adapter_rows.ids is not None  # rows of adapters in this forward
+        refusal = self.step_cache_refusal(int(adapted))
         if refusal is not None:
             raise ValueError(refusal)
         n, L = canvas_ids.shape

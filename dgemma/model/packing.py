@@ -51,11 +51,13 @@ class PackedPositions:
         device = active.device
         if counts is None:
             counts = host_read(active.sum(dim=1), "active positions per row")
-        rows, index = active.nonzero(as_tuple=True)  # row-major: row after row, canvas order within a row
+        length = active.shape[1]
+        # row-major: row after row, canvas order within a row; its size known, nonzero_static does not wait
+        flat = torch.nonzero_static(active.reshape(-1), size=sum(counts))[:, 0]
+        rows, index = flat // length, flat % length
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
-        length = active.shape[1]
         by_size: dict[int, list[int]] = {}
         for r, c in enumerate(counts):
             if c:

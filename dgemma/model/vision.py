@@ -165,13 +165,16 @@ class VisionTower(nn.Module):
                              f"{c.position_embedding_size} positions")
         return (positions != -1).any(dim=-1).sum(dim=-1) // (k * k)
 
-    def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor):
+    def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor, filled: torch.Tensor | None = None):
         """pixel_values (N, P, 3 p^2), positions (N, P, 2) (column, row), -1 on padding slots ->
         soft tokens (N, S, D) and their mask (N, S) bool: image n has its first
-        (real patches of n) / k^2 slots filled."""
+        (real patches of n) / k^2 slots filled. `filled`: those counts (N,) on the device when the caller
+        checked the inputs already (`check`, which reads them)."""
         N, P, _ = pixel_values.shape
         k = self.config.pooling_kernel_size
-        filled = self.check(pixel_values, positions)[:, None]  # (N, 1)
+        if filled is None:
+            filled = self.check(pixel_values, positions)
+        filled = filled[:, None]  # (N, 1)
         padding = (positions == -1).all(dim=-1)  # (N, P)
         x = self.patch_embedder(pixel_values, positions, padding)
         rope = self.rope(positions, x.dtype)

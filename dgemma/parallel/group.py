@@ -147,32 +147,50 @@ def join(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParall
     beat = threading.Thread(target=_heartbeat, args=(dist.distributed_c10d._get_default_store(), tp.rank),
                             name="dgemma-rank-heartbeat", daemon=True)
     beat.start()
-    atexit.register(_stop_heartbeat, beat)
     if not _JOINED:
         torch._dynamo.callback.callback_handler.register_start_callback(_compiling_started)
+        atexit.register(leave)
     _JOINED.add(tp)
+    _BEATS.append(beat)
     return tp
 
 
+# A rank's exit, and why it leaves the group first
+# ------------------------------------------------
+# When the interpreter finalizes, a thread that takes the GIL from then on is ended where it stands (CPython
+# calls pthread_exit in it); if that thread is inside a C++ call (frames that must not unwind), the process
+# aborts: "terminate called without an active exception", SIGABRT. Two kinds of thread can take the GIL at
+# that moment here: the heartbeat (`Store.set` releases the GIL and takes it back when it returns), and gloo's
+# worker threads, which drop the last reference to a tensor handed to a collective after the waiting thread
+# has moved on, and dropping it frees its Python object. So at exit, while the interpreter still runs, `leave`
+# stops the heartbeat (waiting for its last stamp) and destroys the process groups, which joins gloo's
+# threads; after it no thread that can take the GIL is left in a C++ call.
 _HEARTBEAT_STOP = threading.Event()
+_BEATS: list[threading.Thread] = []
 
 
 def _heartbeat(store, rank: int):
-    """This rank's stamp in the store every HEARTBEAT_S, for as long as the process runs (and is not stopped)."""
+    """This rank's stamp in the store every HEARTBEAT_S, until `leave` (or the store goes away)."""
     key = f"dgemma/alive/{rank}"
     while not _HEARTBEAT_STOP.is_set():
         try:
-            store.set(key, repr(time.time()))
+            store.set(key, repr(time.time()))  # a send: it returns at once unless the socket is full
         except Exception:  # the store went away with the group: nothing more to stamp
             return
         _HEARTBEAT_STOP.wait(HEARTBEAT_S)
 
 
-def _stop_heartbeat(beat: threading.Thread):
-    """At exit, while torch's C++ objects still stand: the heartbeat ends, so that no stamp is in flight in the
-    store's client while the interpreter tears the store and the group down."""
+def leave():
+    """This process leaves the split (registered at exit by `join`): the heartbeat stops and is waited for,
+    then every process group is destroyed and gloo's threads with them. After it, the process's split models
+    cannot run collectives."""
     _HEARTBEAT_STOP.set()
-    beat.join(HEARTBEAT_S + 1)
+    for beat in _BEATS:  # its last stamp is a send: done at once, unless the store's socket is full
+        beat.join(max((tp.timeout_s for tp in _JOINED), default=DEFAULT_TIMEOUT_S))
+    for tp in list(_JOINED):  # the groups' other references (a split model holds its TensorParallel)
+        tp.group = tp.compile_group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()  # the last references: each group's threads are joined as it goes
 
 
 def describe_failure(error: BaseException) -> str:

@@ -156,7 +156,7 @@ class SplitDiffusionGemma(DiffusionGemma):
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
 
-    def step_cache_refusal(self) -> str | None:
+    def step_cache_refusal(self, adapter: int = 0) -> str | None:
         return "the step cache does not work with a split model yet"
 
 

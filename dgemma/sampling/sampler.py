@@ -193,19 +193,70 @@ def _first_index_of(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return V - torch.where(x == top, countdown, 0).amax(-1).long()
 
 
+def scan_positions(logits: torch.Tensor, temperature: float, *, scan=scan_logits,
+                   chunk_elements: int = CHUNK_ELEMENTS, accept_order: str = "entropy"):
+    """The scan of a step over logits (B, L, V) fp32, chunk by chunk, overwriting them IN PLACE with
+    softmax(logits / T) -> (probs (B * L, V), a view of the buffer; argmax (B, L) long; entropy (B, L);
+    uncertainty (B, L): `accept_order`'s, the entropy itself for "entropy"). No random numbers are drawn."""
+    B, L, V = logits.shape
+    flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
+    entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
+    argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
+    uncertainty = entropy if accept_order == "entropy" else torch.empty_like(entropy)
+    # a tensor, not a float: one compiled scan serves every temperature of the schedule (made by a fill,
+    # not copied from the host: `torch.tensor(t, device=...)` would wait for the device)
+    scale = torch.full((), temperature, dtype=logits.dtype, device=logits.device)
+    step = chunk_rows(V, chunk_elements)
+    for start in range(0, B * L, step):
+        rows = slice(start, start + step)
+        argmax[rows], entropy[rows] = scan(flat[rows], scale)
+        if accept_order != "entropy":  # the chunk's probabilities, while they are in cache
+            uncertainty[rows] = acceptance_uncertainty(flat[rows], entropy[rows], accept_order)
+    return flat, argmax.view(B, L), entropy.view(B, L), uncertainty.view(B, L)
+
+
+def sample_tempered(probs: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                    chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of probs (N, V) (softmax of the logits at temperature 1) at another temperature:
+    -> (tokens (N,) long, their probabilities (N,) under the distribution drawn from).
+
+    temperature 0 is greedy: the argmax and its probability, no random number drawn. Otherwise one uniform
+    per row (drawn at once, so the stream is the same as a one-call categorical draw over every row) and
+    the inverse CDF of softmax(logits / t) = probs ** (1 / t), normalised, a chunk of rows at a time."""
+    if temperature == 0:
+        tokens = probs.argmax(-1)
+        return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+    N, V = probs.shape
+    uniforms = torch.rand(N, dtype=probs.dtype, device=probs.device, generator=generator)
+    tokens = torch.empty(N, dtype=torch.long, device=probs.device)
+    chosen = torch.empty(N, dtype=probs.dtype, device=probs.device)
+    step = chunk_rows(V, chunk_elements)
+    for start in range(0, N, step):
+        rows = slice(start, start + step)
+        weights = probs[rows] if temperature == 1 else probs[rows].pow(1.0 / temperature)
+        tokens[rows] = inverse_cdf(weights, uniforms[rows])
+        chosen[rows] = weights.gather(-1, tokens[rows, None])[:, 0] / weights.sum(-1)
+    return tokens, chosen
+
+
 @dataclass
 class ScannedStep:
-    """A sampler step: `scan_step` knows everything but the samples, `draw_samples` puts them in the canvas."""
+    """A sampler step: `scan_step` knows everything but the samples, `draw_samples` puts them in the canvas.
+    The other samplers (samplers.py) fill in the same fields, and what only they do."""
 
-    probs: torch.Tensor  # (B * L, V): softmax(logits / T), in the logits buffer
-    uniforms: torch.Tensor  # (B * L,): one per position, for the inverse-CDF draw
+    # (B * L, V): softmax(logits / T), in the logits buffer (None for a DDIM corrector sweep, which leaves it)
+    probs: torch.Tensor | None
+    uniforms: torch.Tensor | None  # (B * L,): one per position, for the inverse-CDF draw (the entropy bound's)
     # (B, L) long: the next decoder input: the re-noised canvas (fixed tokens in place), the accepted
     # positions' samples put in by `draw_samples`
     canvas: torch.Tensor
     argmax: torch.Tensor  # (B, L) long
     entropy: torch.Tensor  # (B, L) fp32
-    accepted: torch.Tensor  # (B, L) bool
-    drawn: torch.Tensor  # (B, L) bool: the positions that take a sample (accepted, not fixed)
+    accepted: torch.Tensor  # (B, L) bool: the positions holding the model's prediction in the next canvas
+    drawn: torch.Tensor  # (B, L) bool: the positions that take a new prediction (accepted, not fixed)
+    edited: torch.Tensor | None = None  # (B, L) bool: committed tokens block refinement replaced
+    corrected: torch.Tensor | None = None  # (B, L) bool: positions a DDIM corrector sweep drew again
+    predictor: bool = True  # False for a corrector sweep: no stop rule, its logits are no one's self-conditioning
 
 
 def scan_step(
@@ -240,20 +291,8 @@ def scan_step(
     `accept_order`: which uncertainty the bound accepts by (`acceptance_uncertainty`); the entropy the
     result carries (for the stop rule and drafts) is the entropy whatever the order."""
     B, L, V = logits.shape
-    flat = logits.view(B * L, V)  # a view: everything below writes into `logits`
-    entropy = torch.empty(B * L, dtype=logits.dtype, device=logits.device)
-    argmax = torch.empty(B * L, dtype=torch.long, device=logits.device)
-    uncertainty = entropy if accept_order == "entropy" else torch.empty_like(entropy)
-    # a tensor, not a float: one compiled scan serves every temperature of the schedule (made by a fill,
-    # not copied from the host: `torch.tensor(t, device=...)` would wait for the device)
-    scale = torch.full((), temperature, dtype=logits.dtype, device=logits.device)
-    step = chunk_rows(V, chunk_elements)
-    for start in range(0, B * L, step):
-        rows = slice(start, start + step)
-        argmax[rows], entropy[rows] = scan(flat[rows], scale)
-        if accept_order != "entropy":  # the chunk's probabilities, while they are in cache
-            uncertainty[rows] = acceptance_uncertainty(flat[rows], entropy[rows], accept_order)
-    entropy, argmax, uncertainty = entropy.view(B, L), argmax.view(B, L), uncertainty.view(B, L)
+    flat, argmax, entropy, uncertainty = scan_positions(logits, temperature, scan=scan, chunk_elements=chunk_elements,
+                                                        accept_order=accept_order)
     uniforms = torch.rand(B * L, dtype=logits.dtype, device=logits.device, generator=generator)
     noise = random_tokens((B, L), V, generator, logits.device)  # drawn for every position, as the reference
 

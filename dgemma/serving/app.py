@@ -224,7 +224,8 @@ def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
                              description="dgemma's extensions ride in the OpenAI bodies: the diffusion sampler's "
-                                         "`steps`, `entropy_bound`, `accept_order`, `t_min`, `t_max`, `fixed_steps`; "
+                                         "`sampler`, `steps`, `entropy_bound`, `accept_order`, `t_min`, `t_max`, "
+                                         "`fixed_steps`, `step_cache` and block refinement's and DDIM's settings; "
                                          "`stream_options.include_drafts`; a `dgemma` object in every answer. "
                                          "See docs/serving.md.")
         app.openapi_schema = openapi.without_422(openapi.add_stream_chunks(schema))
@@ -291,7 +292,7 @@ async def _images(state: ServerState, body: ChatCompletionRequest):
 def _model_card(state: ServerState) -> bodies.ModelCard:
     s = state.sampling
     images = state.images.card() if state.images is not None else {"accepted": False}
-    defaults = bodies.Defaults(steps=s.max_denoising_steps, entropy_bound=s.entropy_bound,
+    defaults = bodies.Defaults(sampler=s.sampler, steps=s.max_denoising_steps, entropy_bound=s.entropy_bound,
                                accept_order=s.accept_order, t_min=s.t_min,
                                t_max=s.t_max, max_tokens=s.max_new_tokens)
     extra = bodies.ModelCardExtra(task=state.codec.task, canvas_length=state.canvas_length,

@@ -53,8 +53,8 @@ async def generate(state: ServerState, request: Request, body, prompts: list[lis
     """Every prompt gets n choices, indexed prompt * n + choice (OpenAI's order); `echoes`: each prompt's
     text, to send before its choices' own; `images`: a chat prompt's ImageInputs; `tools_constraint`: a
     required or named tool_choice's (engine_inputs.tool_constraint)."""
-    max_tokens = token_limit(body)
-    samplings = [sampling_for(state, body, prompt, max_tokens) for prompt in prompts]
+    max_tokens = token_limit(state, body)
+    samplings = [sampling_for(state, body, prompt, max_tokens, adapter) for prompt in prompts]
     constraint = await answer_constraint(state, body, tools_constraint)
     streams = _submit(state, body, prompts, samplings, constraint, images, adapter)
     decode = state.codec.decode_chat if chat else state.codec.decode
@@ -140,7 +140,7 @@ async def score(state: ServerState, request: Request, body: CompletionRequest, p
         for stream in streams:
             while (item := await stream.next()).kind != "finished":
                 if item.kind == "error":
-                    raise APIError(item.status, item.message, type="server_error")
+                    raise _failure(item)
             if item.finish_reason != "scored":
                 raise APIError(500, "the request was cancelled", type="server_error")
     finally:
@@ -166,6 +166,12 @@ def echo_only(state: ServerState, body: CompletionRequest, prompts: list[list[in
     return ChunkWriter(False, state.model_name).response([(t, "length") for t in texts], counts, {})
 
 
+def _failure(failure) -> APIError:
+    """A request the engine could not finish (it failed, the server stops, the time limit passed), as its error."""
+    kind = "timeout_error" if failure.code == "request_timeout" else "server_error"
+    return APIError(failure.status, failure.message, type=kind, code=failure.code)
+
+
 def _cancel_all(worker: EngineWorker, streams: list[RequestStream]):
     for stream in streams:
         worker.cancel(stream)
@@ -184,7 +190,7 @@ async def _outputs(state: ServerState, choice: ChoiceInProgress) -> AsyncIterato
     while True:
         item = await stream.next()
         if item.kind == "error":
-            raise APIError(item.status, item.message, type="server_error")
+            raise _failure(item)
         if item.kind == "draft":
             yield "draft", _draft_payload(state.codec, item)
             continue
@@ -284,7 +290,9 @@ async def _cancel_on_disconnect(request: Request, worker: EngineWorker, streams:
 def _draft_payload(codec, event) -> dict:
     return {"canvas": event.canvas_index, "step": event.step + 1, "tokens": event.tokens,
             "pieces": [codec.piece(t) for t in event.tokens],
-            "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted}
+            "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted,
+            "edited": event.edited or [False] * len(event.tokens),
+            "corrected": event.corrected or [False] * len(event.tokens), "phase": event.phase}
 
 
 def _stats(state: ServerState, choice: ChoiceInProgress) -> dict:

@@ -14,32 +14,40 @@ import json
 from typing import Any
 
 from dgemma.chat.tool_schema import calls_constraint
-from dgemma.config import ConfigError, SamplingConfig
+from dgemma.config import SAMPLER_SETTINGS, SAMPLERS, ConfigError, SamplingConfig, settings_not_read
 from dgemma.generation.canvas import most_new_tokens
 from dgemma.sampling import seed_or_random
 from dgemma.serving.errors import bad_request
-from dgemma.serving.requests import ChatCompletionRequest, FunctionDefinition, ImagePart
+from dgemma.serving.requests import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, FunctionDefinition, ImagePart
 from dgemma.serving.state import ServerState
 from dgemma.structured import ConstraintError, SchemaError, VocabularyError
 
+# block refinement's and DDIM's settings: request fields named as SamplingConfig's
+OTHER_SAMPLER_SETTINGS = tuple(dict.fromkeys(f for s in SAMPLERS[1:] for f in SAMPLER_SETTINGS[s]))
 # request field -> the SamplingConfig field it overrides (left out of the request: the model's default)
 SAMPLING_OVERRIDES = {"steps": "max_denoising_steps", "entropy_bound": "entropy_bound",
                       "accept_order": "accept_order", "t_min": "t_min", "t_max": "t_max",
-                      "fixed_steps": "fixed_steps", "step_cache": "step_cache"}
+                      "fixed_steps": "fixed_steps", "step_cache": "step_cache", "sampler": "sampler",
+                      **{name: name for name in OTHER_SAMPLER_SETTINGS}}
 
 
 # -- sampling -----------------------------------------------------------------------------------------
 
-def token_limit(body) -> int | None:
+def token_limit(state: ServerState, body) -> int | None:
     """The most tokens an answer may have, as the request asks (chat: max_completion_tokens wins over
-    max_tokens); None: as many whole canvases as fit after the prompt, capped by the model's default."""
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        return body.max_completion_tokens
+    max_tokens). Left out: a completion writes COMPLETIONS_DEFAULT_MAX_TOKENS (a task model its fixed answer
+    length); a chat answer (None) as many whole canvases as fit after the prompt, capped by the model's default."""
+    if isinstance(body, ChatCompletionRequest):
+        return body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    if body.max_tokens is None and state.codec.fixed_max_tokens is None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
     return body.max_tokens
 
 
-def sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None) -> SamplingConfig:
-    """The model's sampling defaults with the request's overrides, and a length that fits the cache."""
+def sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | None,
+                 adapter: int = 0) -> SamplingConfig:
+    """The model's sampling defaults with the request's overrides, and a length that fits the cache;
+    adapter: the index of the LoRA adapter the request names (0: the base model)."""
     L, context, n = state.canvas_length, state.worker.max_length, len(prompt)
     fixed = state.codec.fixed_max_tokens
     if fixed is not None:
@@ -57,9 +65,18 @@ def sampling_for(state: ServerState, body, prompt: list[int], max_tokens: int | 
                           f"{context}, and output is made in canvases of {L}, so at most {whole_canvases} tokens "
                           f"can follow this prompt", param="max_tokens", code="context_length_exceeded")
     eos = tuple(dict.fromkeys([*state.sampling.eos_token_ids, *sorted(state.codec.answer_ends)]))
-    if body.step_cache and state.worker.model.step_cache_refusal() is not None:
-        raise bad_request(f"step_cache: {state.worker.model.step_cache_refusal()}", param="step_cache")
+    refusal = state.worker.model.step_cache_refusal(adapter) if body.step_cache else None
+    if refusal is not None:
+        raise bad_request(f"step_cache: {refusal} ({body.model!r} is one; the base model takes it)"
+                          if adapter else f"step_cache: {refusal}", param="step_cache")
     overrides = {field: getattr(body, name) for name, field in SAMPLING_OVERRIDES.items()}
+    sampler = body.sampler or state.sampling.sampler
+    if sampler == "entropy-bound":  # OpenAI's temperature, which clients send routinely: not this sampler's
+        overrides["temperature"] = None
+    problem = settings_not_read(sampler, {name: overrides[name] for name in
+                                          (*SAMPLER_SETTINGS["entropy-bound"], *OTHER_SAMPLER_SETTINGS)})
+    if problem:
+        raise bad_request(problem, param=problem.split(":")[0])
     try:
         return state.sampling.replace(max_new_tokens=max_tokens, eos_token_ids=eos, **overrides)
     except ConfigError as e:  # the fields are valid alone but not together, e.g. t_min > t_max

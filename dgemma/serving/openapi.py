@@ -29,6 +29,7 @@ ERRORS = {
     429: "the queue is full (a Retry-After header says when to retry)",
     500: "the engine failed while running the request",
     503: "the engine is not running",
+    504: "the request ran past the server's time limit (`dgemma serve --request-timeout`); its row was freed",
 }
 
 
@@ -51,7 +52,7 @@ def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
                        "event's data is [DONE]"}}}
     return {200: {"model": body, "description": "the answer; with stream: true, server-sent events",
                   "content": {"text/event-stream": {"schema": event}}},
-            **error_responses(400, 401, 404, 413, 429, 500, 503)}
+            **error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
 
 
 def add_stream_chunks(schema: dict) -> dict:

@@ -7,8 +7,8 @@ constraint, seeds, the chat template's input) is engine_inputs.py's; responses a
 
 Request bodies are checked strictly: a wrong type is an error, never coerced ("5" is not 5, true is
 not 1), numbers must be finite and inside the ranges below, and the message names the field.
-OpenAI fields a diffusion sampler has no use for (temperature, top_p, penalties, user, ...) are
-accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs of
+OpenAI fields a diffusion sampler has no use for (top_p, penalties, user, ...; temperature with the entropy
+bound) are accepted and ignored, so existing clients work; fields whose meaning we cannot honour (logprobs of
 denoised tokens, suffix, best_of) are rejected instead of silently ignored.
 
 Scoring (/v1/completions with `logprobs` and max_tokens 0 or 1, what evaluation harnesses send): the
@@ -26,6 +26,12 @@ Diffusion fields, as extra body fields (openai client: `extra_body={...}`):
   t_min, t_max    float 0.01..100 the temperature schedule, falling from t_max to t_min
   fixed_steps     bool            exactly `steps` per canvas, no early stop
   step_cache      bool            settled positions are not recomputed (dgemma.generation.step_cache)
+  sampler         "entropy-bound" | "block-refinement" | "ddim"   what turns each step's logits into the canvas
+  temperature     float 0..100    (an OpenAI field too) block-refinement and ddim draw at it; the entropy bound
+                                  ignores it (its temperature is the t_max -> t_min schedule)
+  commit_threshold, editing_threshold   float 0..1   block-refinement's
+  corrector_steps int 0..1000, corrector_k int 1..4096, corrector_selection, corrector_selection_tau   ddim's
+  A setting of a sampler other than the request's is a 400 that names it (temperature aside).
   seed            int 0..2**63-1  (an OpenAI field too) same seed, same request -> same output
   stream_options.include_drafts   bool: stream the argmax canvas after every denoising step
   structured_outputs.regex        str: the answer matches this regex (outlines-core's syntax), as vLLM
@@ -37,7 +43,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dgemma.config import ACCEPT_ORDERS
+from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, SAMPLERS
 from dgemma.serving.request_checks import (MAX_CHOICES, MAX_LOGPROBS, MAX_STEPS, MAX_STOP_STRINGS, ROLE_RULES_SCHEMA,
                                            broken_role_rule, content_parts, json_object_string, not_empty,
                                            prompt_list, response_format_shape, stop_strings, unsupported_chat,
@@ -63,6 +69,8 @@ Steps = strict(int, ge=1, le=MAX_STEPS)
 Seed = strict(int, ge=0, le=2**63 - 1)
 Temperature = strict(float, ge=0.01, le=100.0, allow_inf_nan=False)
 EntropyBound = strict(float, ge=0.0, le=1e6, allow_inf_nan=False)
+SamplingTemperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]  # OpenAI's: 0 and 0.7 alike
+Probability = strict(float, ge=0.0, le=1.0, allow_inf_nan=False)
 # several stop strings, or one; a list only once validated (request_checks.stop_strings)
 StopStrings = Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)], Field(
     description=f"up to {MAX_STOP_STRINGS} strings: the answer ends just before the first match")]
@@ -119,7 +127,7 @@ ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | Respo
 
 class GenerationFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. OpenAI fields a diffusion sampler has no
-    use for (temperature, top_p, penalties, user, ...) are accepted and ignored."""
+    use for (top_p, penalties, user, ...; temperature with the entropy bound) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -150,6 +158,29 @@ class GenerationFields(BaseModel):
     step_cache: StrictBool | None = Field(None, description="dgemma: run only the canvas positions that have not "
                                           "settled through the decoder (fewer decoder positions, an approximation; "
                                           "default: the server's --step-cache)")
+    sampler: Literal[SAMPLERS] | None = Field(
+        None, description="dgemma: what turns each step's logits into the next canvas: entropy-bound (the model's "
+        "own), block-refinement (commit the most confident predictions, an even share of the canvas per step) or "
+        "ddim (ancestral steps from the exact posterior, optionally with corrector sweeps); `steps` is each one's "
+        "decoder forwards per canvas (default: the server's --sampler, else the model's generation_config.json)")
+    temperature: SamplingTemperature | None = Field(
+        None, description="block-refinement and ddim: the temperature their predictions are drawn at (0: the "
+        "argmax, their default); the entropy bound ignores it (its temperature falls from t_max to t_min)")
+    commit_threshold: Probability | None = Field(None, description="dgemma, block-refinement: also commit every "
+                                                 "position more confident than this (default 0.95)")
+    editing_threshold: Probability | None = Field(None, description="dgemma, block-refinement: replace a committed "
+                                                  "token the model now predicts otherwise with more confidence than "
+                                                  "this (default 0: no editing)")
+    corrector_steps: strict(int, ge=0, le=MAX_STEPS) | None = Field(
+        None, description="dgemma, ddim: Gibbs corrector sweeps after each of the first predictor steps, out of "
+        "`steps` (default 0)")
+    corrector_k: strict(int, ge=1, le=4096) | None = Field(None, description="dgemma, ddim: positions one sweep "
+                                                           "draws again (default 1)")
+    corrector_selection: Literal[CORRECTOR_SELECTIONS] | None = Field(
+        None, description="dgemma, ddim: how a sweep picks its positions, least confident first (default "
+        "lowest_log_margin)")
+    corrector_selection_tau: strict(float, gt=0.0, le=100.0, allow_inf_nan=False) | None = Field(
+        None, description="dgemma, ddim: temperature of that choice's Gumbel-top-k (default 1)")
 
     _stop = field_validator("stop", mode="before")(stop_strings)
     _response_format = field_validator("response_format", mode="before")(response_format_shape)
@@ -191,6 +222,9 @@ class GenerationFields(BaseModel):
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# /v1/completions without max_tokens writes this many, as OpenAI documents for the endpoint (and vLLM does);
+# chat's absent max_tokens is the model's own default instead
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionRequest(GenerationFields):
@@ -202,8 +236,8 @@ class CompletionRequest(GenerationFields):
             description="a string, a list of token ids, or a list of either (several prompts; choice i * n + j "
                         "is prompt i's choice j)")
     max_tokens: strict(int, ge=0) | None = Field(None, description="0: no completion (echo and/or scoring only); "
-                                                 "absent: as many whole canvases as fit after the prompt, capped by "
-                                                 "the model's default")
+                                                 f"absent: {COMPLETIONS_DEFAULT_MAX_TOKENS}, OpenAI's default for "
+                                                 "this endpoint (a task model writes its fixed answer length)")
     echo: StrictBool = Field(False, description="the answer's text starts with the prompt's")
     logprobs: strict(int, ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="score the prompts instead (max_tokens 0 or 1): the prompt's own log-probabilities from "

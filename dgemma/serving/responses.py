@@ -129,14 +129,19 @@ class Completion(Body):
 
 
 class Draft(Body):
-    """dgemma: the argmax canvas after a denoising step (stream_options.include_drafts)."""
+    """dgemma: the canvas after a denoising step, or after a DDIM corrector sweep (stream_options.include_drafts):
+    the argmax tokens, or with block refinement and DDIM the tokens the canvas holds where it holds a prediction
+    (`accepted`) and the argmax elsewhere."""
 
     canvas: int
     step: int
     tokens: list[int]
     pieces: list[str]
     entropy: list[float]
-    accepted: list[bool]
+    accepted: list[bool] = Field(description="per position: the next canvas holds the model's prediction there")
+    edited: list[bool] = Field(description="per position: block refinement replaced its committed token")
+    corrected: list[bool] = Field(description="per position: a DDIM corrector sweep drew it again")
+    phase: Literal["predictor", "corrector"] = Field(description="a denoising step, or a DDIM corrector sweep")
 
 
 class ChatDelta(Body):
@@ -198,6 +203,7 @@ class ImagesCard(Body):
 
 
 class Defaults(Body):
+    sampler: str
     steps: int
     entropy_bound: float
     accept_order: str

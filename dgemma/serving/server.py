@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Protocol
 
 from dgemma.chat.codec import Codec
+from dgemma.config import ConfigError, settings_not_read
 from dgemma.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
 # A model that reads images takes larger bodies by default: its images arrive base64-encoded in them.
@@ -65,6 +66,7 @@ class ServerSettings:
     prebuild_json_object: bool
     lora: tuple[str, ...]  # NAME=PATH, as given
     shutdown_grace: float
+    request_timeout: float | None  # seconds a request may run (queue time included); None: no limit
     log_level: str
     prefill_chunk: int | None
     deterministic: bool
@@ -80,6 +82,8 @@ class ServerSettings:
     command_line: tuple[str, ...] = ()  # `serve ...` as typed: what a split replica runs again
     # --step-cache and its settings, as SamplingConfig.replace keywords (None keeps generation_config.json's)
     step_cache: dict = field(default_factory=dict)
+    # --sampler and block refinement's and DDIM's settings, the same way: the requests' defaults
+    sampler: dict = field(default_factory=dict)
 
     @property
     def served_name(self) -> str:
@@ -117,7 +121,9 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     def lost_ranks():
         print(f"dgemma serve: {state.worker.fatal}; answering 503 to new work until stopped", file=sys.stderr,
               flush=True)
-        threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+        stop = threading.Timer(LOST_RANKS_GRACE_S, lambda: setattr(server, "should_exit", True))
+        stop.daemon = True  # a server stopped sooner (SIGTERM) exits without waiting for it
+        stop.start()
 
     state = build_state(settings, loader, on_fatal=lost_ranks)
     if state is None:  # a rank other than 0 of a split model: it stepped with rank 0 until told to stop
@@ -129,17 +135,26 @@ def serve(settings: ServerSettings, loader: ModelLoader) -> int:
                             log_config=_log_config(settings.log_level), timeout_graceful_shutdown=FLUSH_SECONDS)
     server = GracefulServer(config, state, grace_seconds=settings.shutdown_grace)
     server.run(sockets=[sock])
-    if state.worker.fatal:
+    if state.worker.fatal:  # the other ranks are gone (a SIGTERM from the launcher ends them first)
         from dgemma.engine.lockstep import LOST_RANKS_EXIT
 
+        _exit_now_if_compiling(state.background_compile, LOST_RANKS_EXIT)
         return LOST_RANKS_EXIT
     if settings.tp is not None:  # the lifespan stopped the engine thread: tell the other ranks
         _stop_the_other_ranks(state.worker.engine)
-    if state.background_compile is not None and state.background_compile.running:
-        sys.stdout.flush()  # a compile in progress has nothing to keep: don't wait for it
-        sys.stderr.flush()
-        os._exit(0)
+    _exit_now_if_compiling(state.background_compile)
     return 0
+
+
+def _exit_now_if_compiling(background, code: int = 0):
+    """A compile in progress has nothing to keep: exit with `code` now rather than wait for it, and rather than
+    let the interpreter finalize around its thread, which is inside torch's C++ code while it traces (a thread
+    that takes the GIL during finalization there aborts the process: "terminate called without an active
+    exception")."""
+    if background is not None and background.running:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -198,9 +213,16 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
     folder = Path(settings.model)
     model = loader.load(settings.model)  # compiled in the background once serving (lifecycle.py)
     adapters = _load_adapters(settings, model)
-    sampling = model.sampling_config.replace(**settings.step_cache)
-    if sampling.step_cache and model.step_cache_refusal() is not None:
-        raise StartupError(f"--step-cache on: {model.step_cache_refusal()}")
+    try:
+        sampling = model.sampling_config.replace(**settings.step_cache, **settings.sampler)
+    except ConfigError as e:  # e.g. DDIM's corrector with the step cache
+        raise StartupError(str(e)) from None
+    unread = settings_not_read(sampling.sampler, settings.sampler, as_flags=True)
+    if unread:
+        raise StartupError(unread)
+    refusal = model.step_cache_refusal(1 if adapters else 0)  # the server's default applies to every request
+    if sampling.step_cache and refusal is not None:
+        raise StartupError(f"--step-cache on: {refusal}")
     codec = settings.codec(folder, model.config.vocab_size)
     images = _image_reader(settings, folder, model) if codec.task == "text" else None
     set_disk_cache(settings.automaton_cache)
@@ -216,11 +238,13 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
             engine = LockstepEngine(model, **engine_args)
             rank = SimpleNamespace(model=model, engine=engine, max_batch=settings.max_batch,
                                    max_length=engine.max_length, between_steps=None)
-            _background_compile(settings, rank, mode)  # the same compile and warm-up as rank 0's
+            background = _background_compile(settings, rank, mode)  # the same compile and warm-up as rank 0's
             engine.follow()
+            _exit_now_if_compiling(background)
             return None
         engine_class = LockstepEngine
-    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal)
+    worker = EngineWorker(model, **engine_args, engine_class=engine_class, on_fatal=on_fatal,
+                          request_timeout=settings.request_timeout)
     background = _background_compile(settings, worker, mode)
     if settings.prebuild_json_object and codec.task == "text":
         _prebuild_json_object(codec)

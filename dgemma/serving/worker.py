@@ -5,7 +5,9 @@ otherwise, so every request shares one loop: new ones join at canvas boundaries,
 denoising steps share each forward, finished and cancelled ones leave (all engine behaviour).
 
 Each request's events (drafts, committed canvases, the end) arrive on the engine thread and are
-handed to the event loop that submitted it (`call_soon_threadsafe`). Drafts are pictures of a
+handed to the event loop that submitted it (`call_soon_threadsafe`). With a time limit (`dgemma serve
+--request-timeout`), a request whose handler is still waiting for its next event when the limit is reached
+gets a `Failure` (504, "request_timeout") instead, and its row is freed at the next engine step. Drafts are pictures of a
 canvas in progress: a client that reads slower than the engine steps gets only the newest one,
 so a slow reader costs neither memory nor engine time. Committed canvases are never dropped.
 """
@@ -38,14 +40,20 @@ class Failure:
     message: str
     kind: str = "error"
     status: int = 500  # the HTTP status a whole (not streamed) answer gets: 503 when the server is stopping
+    code: str | None = None  # the OpenAI error's code ("request_timeout")
 
 
 class RequestStream:
     """One request's events, consumed by the handler that submitted it (on its event loop)."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, time_limit: float | None = None,
+                 on_timeout=None):
+        """time_limit: seconds from now after which `next` stops waiting, calls `on_timeout()` (which frees the
+        request's row) and answers a Failure."""
         self.request = request
         self.loop = loop
+        self.time_limit, self.on_timeout = time_limit, on_timeout
+        self.deadline = None if time_limit is None else time.monotonic() + time_limit
         self._items: deque[Event | Failure] = deque()
         self._ready = asyncio.Event()
 
@@ -66,23 +74,37 @@ class RequestStream:
     async def next(self) -> Event | Failure:
         while not self._items:
             self._ready.clear()
-            await self._ready.wait()
+            if self.deadline is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(0.0, self.deadline - time.monotonic()))
+            except TimeoutError:
+                return self._timed_out()
         return self._items.popleft()
+
+    def _timed_out(self) -> Failure:
+        if self.on_timeout is not None:
+            self.on_timeout()
+            self.on_timeout = None
+        return Failure(f"the request ran past this server's time limit of {self.time_limit:g} s (--request-timeout) and was "
+                       f"stopped; ask for fewer tokens (max_tokens) or retry", status=504, code="request_timeout")
 
 
 class EngineWorker:
     def __init__(self, model, *, max_batch: int, max_queue: int, max_length: int | None = None,
                  engine_class=Engine, on_fatal=None, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int | None = None, deterministic: bool = False):
+                 prefill_chunk: int | None = None, deterministic: bool = False, request_timeout: float | None = None):
         """engine_class: Engine, or LockstepEngine on rank 0 of a split model; there a failed step is fatal
-        (the ranks are out of step): `fatal` says why, new work is refused (503) and `on_fatal()` runs."""
+        (the ranks are out of step): `fatal` says why, new work is refused (503) and `on_fatal()` runs.
+        request_timeout: seconds a request may take from its submission (None: no limit)."""
         self._engine_args = dict(max_batch=max_batch, max_queue=max_queue, max_length=max_length,
                                  prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
                                  deterministic=deterministic)
         self.model = model
         self.engine_class, self.on_fatal, self.fatal = engine_class, on_fatal, None
         self.engine = engine_class(model, **self._engine_args)
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
         self.max_length = self.engine.max_length  # positions per request, prompt and output
         self._lock = threading.Lock()  # guards `engine` (replaced after a failure) and `_streams`, nothing else
         self._streams: dict[str, RequestStream] = {}
@@ -138,9 +160,10 @@ class EngineWorker:
 
     def _submit(self, requests: list[Request | ScoreRequest]) -> list[RequestStream]:
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(r, loop) for r in requests]
+        streams = [RequestStream(r, loop, self.request_timeout) for r in requests]
         for request, stream in zip(requests, streams):
             request.state.on_event = functools.partial(self._on_event, stream)
+            stream.on_timeout = functools.partial(self.cancel, stream)
         # Never hold our lock while the engine takes its own: the engine thread reports events (and so
         # takes our lock in _on_event) while holding the engine's lock.
         with self._lock:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dgemma.training import distributed as D
 from dgemma.training.distributed import DistEnv
@@ -82,6 +83,11 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device):
 STATE = "state"  # the DCP folder inside a checkpoint
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (the disk is full...): one line naming the step, the cause and the
+    checkpoint a `--resume` continues from. The partial write is gone; earlier checkpoints are untouched."""
+
+
 def save_checkpoint(out: Path, step: int, *, env: DistEnv, model, optimizer, trainer_state: dict,
                     lora: bool, keep: int) -> Path:
     """Collective: every process calls it and writes its own shards."""
@@ -91,11 +97,17 @@ def save_checkpoint(out: Path, step: int, *, env: DistEnv, model, optimizer, tra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     D.barrier(env)
-    D.save_state(tmp / STATE, model, optimizer, frozen_too=not lora)
-    save_file(rng_state(env.device), str(tmp / f"rng-rank{env.rank:05d}.safetensors"))
-    if env.is_main:
-        meta = {**trainer_state, "world_size": env.world_size}
-        (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
+    try:
+        D.save_state(tmp / STATE, model, optimizer, frozen_too=not lora)
+        save_file(rng_state(env.device), str(tmp / f"rng-rank{env.rank:05d}.safetensors"))
+        if env.is_main:
+            meta = {**trainer_state, "world_size": env.world_size}
+            (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
+    except (OSError, CheckpointException) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back at once
+        previous = latest_checkpoint(out)
+        resume = f"{previous.name} is intact: --resume continues from it" if previous else "no earlier checkpoint"
+        raise CheckpointWriteError(f"writing the checkpoint of step {step} failed ({_cause(e)}); {resume}") from None
     D.barrier(env)
     if env.is_main:
         os.rename(tmp, final)
@@ -103,6 +115,13 @@ def save_checkpoint(out: Path, step: int, *, env: DistEnv, model, optimizer, tra
             shutil.rmtree(old, ignore_errors=True)
     D.barrier(env)
     return final
+
+
+def _cause(error: BaseException) -> str:
+    """What failed, in a few words: DCP's CheckpointException carries each process's own error."""
+    if isinstance(error, CheckpointException):
+        error = next((e for e, _ in error.failures.values() if isinstance(e, BaseException)), error)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def read_trainer_state(path: Path) -> dict:

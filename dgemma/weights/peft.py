@@ -62,22 +62,36 @@ def write_peft_adapter(out: Path, adapters: dict[str, torch.Tensor], *, rank: in
 
 
 def read_peft_adapter(name: str, folder: Path) -> Adapter:
+    """The adapter in a PEFT folder; AdapterError, one line naming the file, for a folder that is not one or
+    whose files are damaged (JSON that does not parse, a truncated safetensors file, a half of a pair missing)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise AdapterError(f"{folder}: not a PEFT adapter folder (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    config = _read_json(folder / CONFIG_FILE)
     if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: only plain LoRA adapters (no DoRA, no bias) are served")
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    try:
+        r, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError):
+        raise AdapterError(f"{folder / CONFIG_FILE}: r and lora_alpha must be numbers, got "
+                           f"{config.get('r')!r} and {config.get('lora_alpha')!r}") from None
     scale = alpha / r ** 0.5 if config.get("use_rslora") else alpha / r
+    try:
+        stored = load_file(str(folder / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{folder / WEIGHTS_FILE}: unreadable safetensors file ({e})") from None
     by_path: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(folder / WEIGHTS_FILE)).items():
+    for key, tensor in stored.items():
         path, _, half = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
         if half not in ("lora_A", "lora_B"):
             raise AdapterError(f"{folder}: unexpected tensor {key}")
         by_path.setdefault(path, {})[half] = tensor.float()
+    for path, pair in by_path.items():
+        if len(pair) < 2:
+            raise AdapterError(f"{folder / WEIGHTS_FILE}: {path} has {next(iter(pair))} but not its other half")
     weights = {}
     for path, pair in by_path.items():
         if path.startswith(ENCODER_LAYERS):
@@ -89,5 +103,15 @@ def read_peft_adapter(name: str, folder: Path) -> Adapter:
             raise AdapterError(f"{folder}: {path} is not a module of the text model")
         weights[path.removeprefix("model.decoder.")] = (pair["lora_A"], pair["lora_B"])
     marker = folder / DGEMMA_FILE
-    fingerprint = json.loads(marker.read_text()).get("base_config_hash") if marker.is_file() else None
+    fingerprint = _read_json(marker).get("base_config_hash") if marker.is_file() else None
     return Adapter(name, scale, weights, fingerprint)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise AdapterError(f"{path}: expected a JSON object")
+    return value

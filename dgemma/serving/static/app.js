@@ -1,5 +1,6 @@
 // The dgemma playground: sends one streaming request with drafts switched on and draws each draft
-// (the argmax canvas after a denoising step) as a grid of tokens coloured by entropy, then the text.
+// (the argmax canvas after a denoising step) as a grid of tokens coloured by entropy, then the text. Block
+// refinement's edits and DDIM's corrector sweeps are outlined as they happen.
 // Plain browser JavaScript, no libraries: the page works without a network.
 "use strict";
 
@@ -30,6 +31,10 @@ const playground = {
   stepsSeen: [],      // "canvas:step" of every draft drawn in this run
   toolCalls: [],      // the tool calls of this run: {id, name, arguments}
   images: [],         // data URLs of the attached images, in order
+  sampler: "entropy-bound",  // the served model's own sampler (its card's defaults)
+  edits: 0,           // block refinement's edited positions drawn in this run (tests read it)
+  corrections: 0,     // positions redrawn by DDIM corrector sweeps in this run
+  sweeps: 0,          // corrector sweeps drawn in this run
 };
 window.playground = playground;
 
@@ -72,6 +77,9 @@ async function loadModel() {
   if (playground.task === "sudoku" && !$("puzzle").value) $("puzzle").value = EXAMPLE_PUZZLE;
   if (playground.task === "sudoku") $("max-tokens").disabled = true;  // an answer is always 81 cells
   buildGrid(playground.task === "sudoku" ? 81 : playground.model.dgemma.canvas_length);
+  playground.sampler = playground.model.dgemma.defaults.sampler || "entropy-bound";
+  $("sampler").options[0].textContent = `model's (${playground.sampler})`;
+  showSamplerFields();
   setState("idle", "ready");
 }
 
@@ -119,7 +127,7 @@ function drawDraft(draft) {
     let piece = draft.pieces[i];
     if (playground.task === "sudoku") piece = /^[1-9]$/.test(piece) ? piece : "";
     cell.textContent = given ? String(given) : (piece === "" ? "\u00a0" : piece.replace(/\n/g, "⏎"));
-    cell.classList.remove("empty", "accepted", "given", "wrong");
+    cell.classList.remove("empty", "accepted", "given", "wrong", "edited", "corrected");
     cell.style.background = "";
     if (given) {
       cell.classList.add("given");
@@ -129,9 +137,18 @@ function drawDraft(draft) {
     } else {
       cell.style.background = entropyColour(draft.entropy[i]);
     }
-    cell.title = `position ${i} · token ${token} · entropy ${draft.entropy[i].toFixed(3)}`;
+    // the samplers' own moves: a committed token block refinement replaced, a position a corrector sweep redrew
+    if (draft.edited && draft.edited[i]) cell.classList.add("edited");
+    if (draft.corrected && draft.corrected[i]) cell.classList.add("corrected");
+    cell.title = `position ${i} · token ${token} · entropy ${draft.entropy[i].toFixed(3)}` +
+      (draft.edited && draft.edited[i] ? " · edited" : "") +
+      (draft.corrected && draft.corrected[i] ? " · redrawn by the corrector" : "");
   });
-  $("canvas-label").textContent = `canvas ${draft.canvas + 1} · step ${draft.step}`;
+  const sweep = draft.phase === "corrector" ? " · corrector sweep" : "";
+  $("canvas-label").textContent = `canvas ${draft.canvas + 1} · step ${draft.step}${sweep}`;
+  if (draft.edited) playground.edits += draft.edited.filter(Boolean).length;
+  if (draft.corrected) playground.corrections += draft.corrected.filter(Boolean).length;
+  if (draft.phase === "corrector") playground.sweeps += 1;
   playground.draftFrames += 1;
   playground.stepsSeen.push(`${draft.canvas}:${draft.step}`);
   document.body.dataset.draftFrames = String(playground.draftFrames);
@@ -167,13 +184,32 @@ function jsonField(id, what) {
   }
 }
 
+// The sampler's fields: only the chosen sampler's settings are sent (the server refuses the others').
+function samplerFields() {
+  const sampler = $("sampler").value || playground.sampler;
+  const fields = { sampler: $("sampler").value || undefined };
+  if (sampler === "entropy-bound") fields.entropy_bound = numberField("entropy-bound");
+  if (sampler === "block-refinement" || sampler === "ddim") fields.temperature = numberField("temperature");
+  if (sampler === "block-refinement") fields.editing_threshold = numberField("editing-threshold");
+  if (sampler === "ddim") fields.corrector_steps = numberField("corrector-steps");
+  return fields;
+}
+
+// Show the settings of the sampler chosen (the model's own when none is).
+function showSamplerFields() {
+  const sampler = $("sampler").value || playground.sampler;
+  document.querySelectorAll("[data-sampler]").forEach((element) => {
+    element.hidden = !element.dataset.sampler.split(" ").includes(sampler);
+  });
+}
+
 function requestBody() {
   const body = {
     model: playground.model.id,
     stream: true,
     stream_options: { include_drafts: true, include_usage: true },
     steps: numberField("steps"),
-    entropy_bound: numberField("entropy-bound"),
+    ...samplerFields(),
     seed: numberField("seed"),
     fixed_steps: $("fixed-steps").checked || undefined,
   };
@@ -243,6 +279,7 @@ async function run() {
   }
   playground.draftFrames = 0;
   playground.stepsSeen = [];
+  playground.edits = playground.corrections = playground.sweeps = 0;
   playground.toolCalls = [];
   buildGrid(playground.task === "sudoku" ? 81 : playground.cells.length);
   showGivens();
@@ -338,6 +375,7 @@ $("clear-images").addEventListener("click", () => {
   attachImages();
 });
 $("example").addEventListener("click", () => { $("puzzle").value = EXAMPLE_PUZZLE; });
+$("sampler").addEventListener("change", showSamplerFields);
 $("example-tools").addEventListener("click", () => {
   $("tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
   $("prompt").value = "What is the weather in Paris?";
