@@ -323,26 +323,26 @@ def measure(args) -> tuple[list, dict]:
 def moe_layer(args) -> dict:
     """Router + 128 experts top-8 over each of `--moe-tokens` token counts: dgemma's QuantExperts on torch's int4
     kernel (int8 compute off and on: it widens experts with 128 rows or more), on OpenVINO
-    (`dgemma.quant.openvino`, timed at every count: the model gives it MIN_ENTRIES entries or more),
-    and onnxruntime's QMoE (its CPU op gates with SwiGLU only: timing, not parity)."""
+    (`dgemma.quant.openvino`: a copy of the layer is handed over, which keeps the original's codes for the
+    other two), and onnxruntime's QMoE (its CPU op gates with SwiGLU only: timing, not parity)."""
+    import copy
     import dataclasses
 
     import dgemma
-    from dgemma.quant import openvino as openvino_experts
+    from dgemma.quant import openvino
     from dgemma.weights.random_weights import random_model
 
     full = dgemma.get_preset("diffusiongemma-26b-a4b")
     config = dataclasses.replace(full, num_layers=1, layer_types=full.layer_types[:1], vocab_size=1024)
     model = random_model(config, dtype=torch.bfloat16, quantize="int4", seed=0)
-    skipped = {}
-    try:
-        int8_compute.enable(model, "on", library="openvino")
-    except ValueError as e:
-        skipped["dgemma-openvino"] = str(e)
-        int8_compute.enable(model, "on", library="torch")
+    skipped, library = {}, None
     block = model.layers[0]
-    prepared, library = block.experts.int8, block.experts.library
-    openvino_experts.MIN_ENTRIES = 0  # the graph at every count here
+    if openvino.unavailable():
+        skipped["dgemma-openvino"] = openvino.unavailable()
+    else:
+        library = openvino.LibraryExperts(copy.deepcopy(block.experts), torch.get_num_threads())
+    int8_compute.enable(model, "on", library="torch")
+    prepared = block.experts.int8
 
     def dgemma_layer(x, int8, ov):
         def run():

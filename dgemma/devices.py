@@ -259,17 +259,36 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_info()[1])
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (x86 AMX-BF16): oneDNN's bf16 matmuls run there."""
+    return "amx_bf16" in cpu_info()[1]
+
+
 def available_host_memory() -> int:
     """Bytes of host memory free for new allocations: Linux's MemAvailable (which counts reclaimable page
     cache), elsewhere the free pages. Asked afresh each time: it changes."""
+    import os
+
+    return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (Linux), or None."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def total_host_memory() -> int:
+    """Bytes of host memory in all (Linux's MemTotal, elsewhere the physical pages)."""
+    import os
+
+    return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def free_memory_bytes(device) -> int:

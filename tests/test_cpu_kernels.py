@@ -1,6 +1,7 @@
-"""Routed experts on OpenVINO's int4 x int8 kernels (dgemma.quant.openvino, the cpu-kernels extra):
-the codes it is handed, its products against the fp32 product of the dequantised weights, a whole model's
-logits against torch's path, and what `dgemma bench` reports as run."""
+"""int4 weights on OpenVINO's kernels (dgemma.quant.openvino, the cpu-kernels extra): the codes it is handed, its
+products against the fp32 product of the dequantised weights, the one copy (dgemma's codes released, every
+row count on the library's), the paths that needed dgemma's copy (run on the library's, or refused in one
+line), a whole model's logits against torch's path, and what `dgemma bench` reports as run."""
 
 from __future__ import annotations
 
@@ -12,21 +13,35 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma import devices
-from dgemma.quant import int8_compute, kernels
-from dgemma.quant import openvino as openvino_experts
+from dgemma import devices, processes
+from dgemma.quant import int8_compute, kernels, openvino
 from dgemma.quant import quantize as quant
-from dgemma.quant.quantize import quantize_model, use_cpu_int4_kernel
+from dgemma.quant.quantize import QuantExperts, QuantLinear, quantize_model, use_cpu_int4_kernel
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None,
                                     reason="openvino is not installed (pip install 'dgemma[cpu-kernels]')")
 
 
-def _tiny_int4(dtype, seed=0):
+def _tiny_int4(dtype, seed=0, **changes):
     torch.manual_seed(seed)
-    model = quantize_model(dgemma.DiffusionGemma(dgemma.get_preset("tiny")).to(dtype).eval(), "int4")
+    config = dgemma.get_preset("tiny").replace(**changes)
+    model = quantize_model(dgemma.DiffusionGemma(config).to(dtype).eval(), "int4")
     use_cpu_int4_kernel(model)  # bf16: torch's kernel layout, which the graphs read back
     return model
+
+
+def _dense_experts(experts) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert's dequantised (gate_up, down) in fp32, read while dgemma still holds the codes."""
+    return [tuple(w.float() for w in experts.expert_weights(e)) for e in range(experts.num_experts)]
+
+
+def _reference(grouped: torch.Tensor, counts: list[int], dense) -> torch.Tensor:
+    out, start = torch.empty(grouped.shape[0], dense[0][1].shape[0]), 0
+    for e, n in enumerate(counts):
+        gate, up = F.linear(grouped[start : start + n].float(), dense[e][0]).chunk(2, -1)
+        out[start : start + n] = F.linear(F.gelu(gate, approximate="tanh") * up, dense[e][1])
+        start += n
+    return out
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -39,10 +54,10 @@ def test_codes_are_handed_over_as_signed_nibbles(kernel):
     q, scales = quant.quantize_tensor(w, "int4")
     if kernel:
         q, scales = quant._to_kernel_layout(q, scales, torch.bfloat16)
-    codes = torch.from_numpy(openvino_experts.plain_codes(q, kernel))
+    codes = torch.from_numpy(openvino.plain_codes(q, kernel))
     low, high = (codes & 15).to(torch.int8), (codes >> 4).to(torch.int8)
     values = torch.stack([low - 16 * (low > 7), high - 16 * (high > 7)], dim=-1).flatten(-2)  # (128, 96)
-    dense = values.float().view(128, 3, 32) * openvino_experts.plain_scales(scales, kernel).float()[..., None]
+    dense = values.float().view(128, 3, 32) * torch.from_numpy(openvino.plain_scales(scales, kernel)).float()[..., None]
     reference = quant.dequantize_tensor(*quant.quantize_tensor(w, "int4"), "int4", torch.float32)
     assert torch.allclose(dense.view(128, 96), reference, rtol=2**-7, atol=0)  # kernel scales are bf16
 
@@ -50,36 +65,118 @@ def test_codes_are_handed_over_as_signed_nibbles(kernel):
 @needs_openvino
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_experts_match_the_dequantised_product(dtype):
-    """One layer's experts over grouped entries, some experts given no rows: cosine >= 0.999 against the fp32
-    product of the dequantised weights (int8 activations in groups of 32), as torch's path gets."""
+def test_one_copy_and_every_row_count_on_it(dtype):
+    """After the hand-over dgemma's codes and scales are gone (meta tensors: no storage) and the graph, its copy
+    the only one, runs 1 row (an AR token), a few, and many on some experts, none on others: cosine >= 0.999
+    against the fp32 product of the weights read before the hand-over (int8 activations in groups of 32 where
+    the CPU has no bf16), as torch's path gets. The arrays the graph's constants were built from are freed
+    after its first run: these products show OpenVINO reads its own copy from then on."""
     model = _tiny_int4(dtype)
-    assert int8_compute.enable(model, "on", library="openvino")
     experts = model.layers[1].experts
-    assert experts.library is not None
+    dense = _dense_experts(experts)
+    before = quant.loaded_weight_bytes(model)
+    assert int8_compute.enable(model, "on", library="openvino")
+    handed = [m for m in model.modules() if isinstance(m, (QuantExperts, QuantLinear)) and m.library is not None]
+    assert experts in handed and model.layers[0].self_attn.q_proj in handed  # (kernel-layout k/v of 32 rows stay)
+    assert all(m.weights_in_library for m in handed)
+    assert all(b.is_meta for m in handed for b in m.buffers(recurse=False))  # no storage left on dgemma's side
+    held = sum(b.numel() * b.element_size() for m in handed for b in m.buffers(recurse=False))
+    assert quant.loaded_weight_bytes(model) == before - held
     g = torch.Generator().manual_seed(3)
-    counts = [20, 0, 13, 7]
-    grouped = torch.randn(sum(counts), 64, generator=g).to(dtype)
-    out = experts.library(grouped, counts).float()
-    reference, start = torch.empty_like(out), 0
-    for e, n in enumerate(counts):
-        gate_up, down = (w.float() for w in experts.expert_weights(e))
-        reference[start : start + n] = F.linear(F.gelu(F.linear(grouped[start : start + n].float(), gate_up)
-                                                       .chunk(2, -1)[0], approximate="tanh")
-                                                * F.linear(grouped[start : start + n].float(), gate_up).chunk(2, -1)[1], down)
-        start += n
-    assert F.cosine_similarity(out, reference, dim=-1).min() >= 0.999
-    assert (out - reference).abs().max() <= 0.03 * reference.abs().max()
+    for counts in ([1, 0, 0, 0], [0, 2, 0, 1], [20, 0, 13, 7], [64, 64, 64, 64]):
+        grouped = torch.randn(sum(counts), 64, generator=g).to(dtype)
+        out = experts.library(grouped, counts).float()
+        reference = _reference(grouped, counts, dense)
+        assert F.cosine_similarity(out, reference, dim=-1).min() >= 0.999, counts
+        assert (out - reference).abs().max() <= 0.03 * reference.abs().max()
+
+
+@needs_openvino
+@torch.no_grad()
+def test_linear_layers_match_their_weights_at_every_row_count():
+    """A QuantLinear handed over (DGEMMA_CPU_KERNELS=openvino takes every size) against its dequantised weight,
+    at 1 and 256 rows, in a 3-D call as the layers make them."""
+    model = _tiny_int4(torch.bfloat16)
+    q_proj = model.layers[0].self_attn.q_proj
+    weight = q_proj.weight.float()
+    int8_compute.enable(model, "on", library="openvino")
+    assert q_proj.library is not None and q_proj.qweight.is_meta
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 256):
+        x = torch.randn(1, rows, weight.shape[1], generator=g).bfloat16()
+        out = q_proj(x)
+        assert out.shape == (1, rows, weight.shape[0]) and out.dtype == torch.bfloat16
+        reference = F.linear(x.float(), weight)
+        assert F.cosine_similarity(out.float().flatten(0, 1), reference.flatten(0, 1), dim=-1).min() >= 0.999
+
+
+@needs_openvino
+def test_small_linears_stay_on_dgemmas_path_by_default(monkeypatch):
+    """auto gives the library the experts and the linears from MIN_LINEAR_WEIGHTS weights (the tiny preset's are
+    below it): those keep dgemma's codes and torch's kernels."""
+    monkeypatch.delenv("DGEMMA_CPU_KERNELS", raising=False)
+    model = _tiny_int4(torch.bfloat16)
+    int8_compute.enable(model, "on")
+    assert model.layers[0].experts.weights_in_library
+    q_proj = model.layers[0].self_attn.q_proj
+    assert q_proj.library is None and not q_proj.qweight.is_meta
+
+
+@needs_openvino
+def test_paths_that_need_dgemmas_copy_are_refused_in_one_line(tmp_path):
+    model = _tiny_int4(torch.bfloat16)
+    int8_compute.enable(model, "on", library="openvino")
+    experts, q_proj = model.layers[0].experts, model.layers[0].self_attn.q_proj
+    for call in (lambda: dgemma.save_pretrained(model, tmp_path / "out"), lambda: experts.expert_weights(0),
+                 lambda: q_proj.weight, lambda: quantize_model(model, "int4"),
+                 lambda: experts.dequantized("gate_up_proj"),
+                 lambda: experts._one_expert(0, torch.zeros(1, 64, dtype=torch.bfloat16))):
+        with pytest.raises(openvino.WeightsInLibrary, match="DGEMMA_CPU_KERNELS=torch") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_openvino
+@torch.no_grad()
+def test_lora_adapters_run_on_the_librarys_copy():
+    """A served LoRA adapter over a layer the library holds: base(x) on OpenVINO plus the adapter's term."""
+    from dgemma.model.adapters import Adapter, install_adapters
+
+    model = _tiny_int4(torch.bfloat16)
+    int8_compute.enable(model, "on", library="openvino")
+    name = "layers.0.self_attn.q_proj"
+    base = model.get_submodule(name)
+    g = torch.Generator().manual_seed(2)
+    A, B = torch.randn(4, base.in_features, generator=g), torch.randn(base.out_features, 4, generator=g)
+    rows = install_adapters(model, [Adapter(name="a", weights={name: (A, B)}, scale=0.5, base_config_hash=None)])
+    x = torch.randn(2, 3, base.in_features, generator=g).bfloat16()
+    plain = base(x)
+    with rows.set(torch.tensor([0, 1])):
+        out = model.get_submodule(name)(x)
+    term = (x[1].float() @ A.t() @ B.t() * 0.5)
+    assert torch.equal(out[0], plain[0])
+    assert torch.allclose(out[1].float(), plain[1].float() + term, rtol=0.02, atol=0.02 * term.abs().max().item())
+
+
+@needs_openvino
+def test_hand_over_declines_without_the_memory(monkeypatch, capsys):
+    """Where the memory available cannot hold OpenVINO's extra, everything stays on torch's kernels, one note."""
+    monkeypatch.setattr(devices, "available_host_memory", lambda: 1)
+    model = _tiny_int4(torch.bfloat16)
+    int8_compute.enable(model, "on", library="openvino")
+    assert not openvino.in_library(model) and model.layers[0].experts.library is None
+    assert "stay on torch's kernels" in capsys.readouterr().err
 
 
 @needs_openvino
 @torch.no_grad()
 def test_sudoku_logits_agree_with_torchs_kernels(monkeypatch):
     """The shipped sudoku model in int4 (trained routers: a random model's flip on any rounding) over 8 puzzles:
-    a denoising step (1,296 entries: the graphs run) against torch's int4 kernels, both against the float
-    model: the library's logits as close to it as torch's (mean cosine within 0.001, argmax agreement within a
-    point; int4 itself costs more here: cosine 0.996, 94% of the argmaxes of these random canvases). An
-    AR-sized call (few entries) stays on torch's path."""
+    a denoising step (1,296 entries) against torch's int4 kernels, both against the float model: the library's
+    logits as close to it as torch's (mean cosine within 0.001, argmax agreement within a point; int4 itself
+    costs more here: cosine 0.996, 94% of the argmaxes of these random canvases). An AR-sized call (a few
+    entries) runs on the library too: its copy is the only one."""
     from dgemma.tasks.sudoku_models import SHIPPED
     from dgemma.tasks import sudoku
 
@@ -100,25 +197,86 @@ def test_sudoku_logits_agree_with_torchs_kernels(monkeypatch):
     agree = [(logits[0].argmax(-1) == other.argmax(-1)).float().mean() for other in logits[1:]]
     assert cos[1] >= cos[0] - 0.001 and agree[1] >= agree[0] - 0.01, (cos, agree)
     calls = []
-    monkeypatch.setattr(openvino_experts.OpenVinoExperts, "__call__", lambda self, *a: calls.append(a))
-    library.encode(prompt[:1, :2], library.new_cache(1, 8))  # 2 tokens, top-2: 4 entries
-    assert not calls
+    real = openvino.LibraryExperts.__call__
+    monkeypatch.setattr(openvino.LibraryExperts, "__call__", lambda self, *a: calls.append(a) or real(self, *a))
+    ar = library.encode(prompt[:1, :2], library.new_cache(1, 8)).float()  # 2 tokens, top-2: 4 entries
+    expected = torch_path.encode(prompt[:1, :2], torch_path.new_cache(1, 8)).float()
+    assert calls and F.cosine_similarity(ar.flatten(0, 1), expected.flatten(0, 1), dim=-1).min() >= 0.99
 
 
 @needs_openvino
 def test_bench_reports_the_kernels_that_ran(monkeypatch):
-    """What `dgemma bench` prints: OpenVINO for a canvas's experts, torch's int4 kernel for an AR token's; the
-    projections in int8 at a canvas's rows where the weights are large enough to repay widening."""
+    """What `dgemma bench` prints and the start line says: OpenVINO for the parts it holds at every row count,
+    torch's int4 kernel or widened int8 for the rest, the head's table."""
+    monkeypatch.delenv("DGEMMA_CPU_KERNELS", raising=False)
     model = _tiny_int4(torch.bfloat16)
-    int8_compute.enable(model, "on", library="openvino")
+    int8_compute.enable(model, "on")  # auto: the experts; the tiny linears stay
     canvas, token = kernels.kernels(model, 256), kernels.kernels(model, 1)
-    assert canvas["experts"].startswith("OpenVINO") and token["experts"].startswith("torch int4")
-    assert canvas["projections"].startswith("torch int4")  # 64 x 96 weights: widening does not pay
+    assert canvas["experts"].startswith("OpenVINO int4") and token["experts"] == canvas["experts"]
+    assert canvas["attention projections"].startswith("torch int4")  # 64 x 96 weights: widening does not pay
+    assert canvas["dense MLP"].startswith("torch int4")
     monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
-    assert kernels.kernels(model, 256)["projections"].startswith("int8 x int8")
-    assert canvas["head"] == "bfloat16 matmul"  # the tiny table is below int8_compute.MIN_TABLE_ENTRIES
+    assert kernels.kernels(model, 256)["attention projections"].startswith("int8 x int8")
+    assert canvas["head"] == canvas["soft embedding"] == "bfloat16 matmul"  # below int8_compute.MIN_TABLE_ENTRIES
+    line = kernels.start_line(model)
+    assert line.startswith("CPU kernels at a canvas step (16 rows): experts OpenVINO") and "\n" not in line
 
 
-def test_unknown_library_is_refused():
+def test_unknown_library_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="openvino"):
         int8_compute.enable(_tiny_int4(torch.float32), "on", library="onnx")
+    monkeypatch.setenv("DGEMMA_CPU_KERNELS", "onnx")
+    with pytest.raises(ValueError, match="DGEMMA_CPU_KERNELS"):
+        int8_compute.enable(_tiny_int4(torch.float32), "on")
+
+
+@needs_openvino
+@torch.no_grad()
+def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
+    """The hand-over's plan: where dgemma's groups of 32 would take the process past the memory it may use, the
+    experts are quantised again in groups of 64 (the library's per-group numbers halve) and still match their
+    weights (int4 twice: cosine >= 0.99)."""
+    model = _tiny_int4(torch.bfloat16, moe_intermediate_size=64)  # widths of whole groups of 64
+    experts = model.layers[1].experts
+    dense = _dense_experts(experts)
+    chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
+    held = openvino.held_bytes(m for m, _ in chosen)
+    size = {g: sum(openvino.library_bytes(m, g if p == "experts" else 32) for m, p in chosen) for g in (32, 64)}
+    assert size[64] < size[32]
+    monkeypatch.setattr(processes, "resident_memory", lambda: {"rss": held})
+    monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
+    budget = (size[32] + size[64]) // 2  # the plan keeps rss - held + library + reserve within it
+    reserve = openvino.reserve_bytes(model.config)
+    monkeypatch.setattr(devices, "total_host_memory", lambda: int((budget + reserve) / openvino.MEMORY_SHARE))
+    int8_compute.enable(model, "on", library="openvino")
+    assert experts.library.group == 64 and model.layers[0].self_attn.q_proj.library.group == 32
+    assert "groups of 64" in kernels.kernels(model, 16)["experts"]
+    counts = [5, 0, 9, 2]
+    grouped = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = experts.library(grouped, counts).float()
+    assert F.cosine_similarity(out, _reference(grouped, counts, dense), dim=-1).min() >= 0.99
+
+
+@needs_openvino
+def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
+    """Where not every layer's experts fit, the linears and as many experts as fit go over, the rest keep
+    dgemma's copy and torch's kernels; the note and the kernels say how many."""
+    model = _tiny_int4(torch.bfloat16)
+    chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
+    held = openvino.held_bytes(m for m, _ in chosen)
+
+    def growth(pairs):
+        return sum(openvino.library_bytes(m, 32) - openvino.held_bytes([m]) for m, _ in pairs)
+
+    linears, experts = [c for c in chosen if c[1] == "linears"], [c for c in chosen if c[1] == "experts"]
+    room = growth(linears) + growth(experts[:1]) + 1  # the linears and one layer's experts (groups of 32: tiny)
+    monkeypatch.setattr(processes, "resident_memory", lambda: {"rss": held})
+    monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
+    total = (held + room + openvino.reserve_bytes(model.config)) / openvino.MEMORY_SHARE
+    monkeypatch.setattr(devices, "total_host_memory", lambda: int(total) + 1)
+    int8_compute.enable(model, "on", library="openvino")
+    on = [block.experts.library is not None for block in model.layers]
+    assert on == [True, False, False, False]
+    assert f"{len(chosen) - len(linears) - 1} of {len(chosen)} int4 weights stay" in capsys.readouterr().err
+    assert "in 1 of 4 layers, the others torch int4" in kernels.kernels(model, 16)["experts"]
+    assert not model.layers[1].experts.gate_up_proj_q.is_meta  # dgemma's copy, still in use

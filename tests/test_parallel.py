@@ -128,7 +128,8 @@ def _split_passes(rank, folder, out):
     from dgemma.quant import int8_compute
 
     tp = join("cpu")
-    int8_compute.MIN_TABLE_ENTRIES = 0  # the tiny table's int8 codes too
+    int8_compute.MIN_TABLE_ENTRIES = 0  # the tiny table's int8 codes too, whatever the CPU
+    int8_compute.TABLE_INT8_ON_AMX = True
     results = {}
     for quantize in (None, "int8"):
         model = load_split_model(folder, tp, quantize=quantize)
@@ -196,6 +197,7 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
     dequantised = passes(model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(int8_compute, "MIN_TABLE_ENTRIES", 0)
+        patch.setattr(int8_compute, "TABLE_INT8_ON_AMX", True)
         assert int8_compute.enable(model, "on") and model.int8_table is not None
     for name, logits in passes(model).items():
         scale = dequantised[name].abs().max().item()

@@ -16,7 +16,7 @@ from dgemma import devices
 from dgemma.cli import main as dgemma_main
 from dgemma.config import ConfigError
 from dgemma.model.network import PreviousStep
-from dgemma.quant import int8_compute
+from dgemma.quant import formats, int8_compute
 from dgemma.quant import quantize as quant
 from dgemma.quant.quantize import (
     QuantExperts,
@@ -127,9 +127,9 @@ def test_quantised_checkpoint_loads_as_saved(tmp_path, hf_checkpoints, capsys, f
     assert dgemma_main(["quantize", str(folder), str(out), "--format", fmt]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "dgemma", "format": fmt, "group_size": quant.GROUP_SIZE[fmt]}
-    calls = quant.dequantize_calls
+    calls = formats.dequantize_calls
     saved = dgemma.load_model(out, dtype=torch.bfloat16)
-    assert saved.quantization == fmt and quant.dequantize_calls == calls  # read, not quantised again
+    assert saved.quantization == fmt and formats.dequantize_calls == calls  # read, not quantised again
     assert loaded_weight_bytes(saved) == loaded_weight_bytes(direct)
     assert saved.layers[0].experts.kernel_layout == direct.layers[0].experts.kernel_layout == (fmt == "int4")
     assert set(saved.load_report.values()) == {"read"}  # every stored tensor has a place
@@ -208,9 +208,9 @@ def test_quantised_experts_dequantise_once_per_layer_when_batched(monkeypatch):
     per_expert_calls = []
     for all_at_once in (False, True):
         monkeypatch.setattr(QuantExperts, "dequantize_all", all_at_once)
-        quant.dequantize_calls = 0
+        formats.dequantize_calls = 0
         logits = _step_logits(model)
-        per_expert_calls.append(quant.dequantize_calls)
+        per_expert_calls.append(formats.dequantize_calls)
         if not all_at_once:
             reference = logits
     layers = model.config.num_layers
@@ -235,6 +235,7 @@ def test_int8_compute_logits_match_the_same_weights_in_float(trained_tiny, monke
     monkeypatch.setattr(int8_compute, "MIN_ROWS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_WEIGHTS_TO_WIDEN", 1)
     monkeypatch.setattr(int8_compute, "MIN_TABLE_ENTRIES", 1)
+    monkeypatch.setattr(int8_compute, "TABLE_INT8_ON_AMX", True)
     floating = dgemma.load_model(trained_tiny, dtype=dtype, quantize=fmt)
     integer = copy.deepcopy(floating)
     assert int8_compute.enable(integer, "on") and not int8_compute.enable(copy.deepcopy(floating), "off")

@@ -86,12 +86,16 @@ def add_int8_compute_argument(p):
 
 def apply_int8_compute(args, model):
     """`--cpu-int8-compute` on a loaded model (before compiling); a bad combination is a usage error."""
-    from dgemma.quant import int8_compute
+    from dgemma.engine.allocator import release_freed_memory
+    from dgemma.quant import int8_compute, kernels
 
     try:
-        int8_compute.enable(model, getattr(args, "cpu_int8_compute", "auto"))
+        on = int8_compute.enable(model, getattr(args, "cpu_int8_compute", "auto"))
     except ValueError as e:
         raise UsageError(f"--cpu-int8-compute: {e}") from None
+    if on:
+        release_freed_memory()  # the int4 codes a kernel library took over, handed back to the system
+        print("note: " + kernels.start_line(model), file=sys.stderr)
     return model
 
 

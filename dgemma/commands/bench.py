@@ -245,9 +245,10 @@ def _what_runs_lines(ran: dict) -> list[str]:
     load = ran["load_average"]
     lines[0] += f"; load average {load['before']}" + (f" -> {load['after']}" if load.get("after") is not None else "")
     for key, parts in ran.items():
-        if isinstance(parts, dict) and "experts" in parts:
-            lines.append(f"{key}: experts (~{parts['expert_rows']} rows each) {parts['experts']}; projections "
-                         f"{parts['projections']}; head {parts['head']}")
+        if isinstance(parts, dict) and "head" in parts:
+            named = [f"{part} (~{parts['expert_rows']} rows each) {kernel}" if part == "experts" else f"{part} {kernel}"
+                     for part, kernel in parts.items() if part != "expert_rows"]
+            lines.append(f"{key}: " + "; ".join(named))
     return lines
 
 

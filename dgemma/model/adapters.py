@@ -67,13 +67,30 @@ class AdapterRows:
             self.row_of = None
 
 
+def _dtype_and_device(base: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """A linear layer's compute dtype and device without reading its weight: a quantised one
+    (dgemma.quant.quantize.QuantLinear, `compute_dtype`) would dequantise it for that, and one whose only copy
+    a kernel library holds (its buffers are meta tensors) has none to read; such a library runs on the CPU."""
+    dtype = getattr(base, "compute_dtype", None)
+    if dtype is None:
+        return base.weight.dtype, base.weight.device
+    device = next(base.buffers()).device
+    return dtype, torch.device("cpu") if device.type == "meta" else device
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A plain nn.Linear or a quantised one (it has in_features, out_features and a compute dtype)."""
+    return isinstance(module, nn.Linear) or all(hasattr(module, a) for a in ("in_features", "out_features", "compute_dtype"))
+
+
 class RowLoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, rows: AdapterRows, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, base: nn.Module, rows: AdapterRows, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         self.base, self.rows = base, rows
-        self.register_buffer("A", A.to(base.weight.dtype), persistent=False)  # (N+1, r, in), [0] zeros
-        self.register_buffer("B", B.to(base.weight.dtype), persistent=False)  # (N+1, out, r)
-        self.register_buffer("scale", scale.to(base.weight.dtype), persistent=False)  # (N+1,)
+        dtype, _ = _dtype_and_device(base)
+        self.register_buffer("A", A.to(dtype), persistent=False)  # (N+1, r, in), [0] zeros
+        self.register_buffer("B", B.to(dtype), persistent=False)  # (N+1, out, r)
+        self.register_buffer("scale", scale.to(dtype), persistent=False)  # (N+1,)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -103,7 +120,7 @@ def install_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterRows:
     i + 1; 0 is the base). Raises AdapterError, before changing anything, for an adapter of another base
     model: a different config hash, a module the model lacks, or a shape that does not fit."""
     fingerprint = base_fingerprint(model.config)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {n: m for n, m in model.named_modules() if _is_linear(m)}  # quantised ones too: base(x) runs as it is
     for adapter in adapters:
         if adapter.base_config_hash is not None and adapter.base_config_hash != fingerprint:
             raise AdapterError(f"adapter {adapter.name!r} was trained on another base model (its config differs "
@@ -128,7 +145,7 @@ def install_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterRows:
                 A[i, : a.shape[0]], B[i, :, : b.shape[1]] = a, b
         parent_name, _, attr = module.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, RowLoRALinear(base, rows, A.to(base.weight.device), B.to(base.weight.device),
-                                            scale.to(base.weight.device)))
+        _, device = _dtype_and_device(base)
+        setattr(parent, attr, RowLoRALinear(base, rows, A.to(device), B.to(device), scale.to(device)))
     model.adapter_rows = rows
     return rows

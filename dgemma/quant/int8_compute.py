@@ -14,18 +14,21 @@ which needs one scale per output channel of the weight, where the stored formats
   int8 models -- each weight is requantised once, in place, to one scale per channel (the codes keep their
                  bytes; the group scales are all set to the channel's, so the model still reads, saves and
                  dequantises as before): every row count runs in int8;
-  int4 models -- the int4 codes stay; a weight (a dense layer, one expert) is widened to channel int8 codes
-                 when it runs on enough rows to repay that (`widening_pays`), never the whole model at once.
-                 Otherwise the int4 path runs (torch's int4 kernel, or dequantising);
+  int4 models -- where OpenVINO is installed, it takes the routed experts and the large linear layers and
+                 holds their only copy (`dgemma.quant.openvino`: its int4 kernels are several times these at
+                 a canvas's rows). The rest keep their int4 codes: a weight (a dense layer, one expert) is
+                 widened to channel int8 codes when it runs on enough rows to repay that (`widening_pays`),
+                 never the whole model at once; otherwise the int4 path runs (torch's int4 kernel, or
+                 dequantising);
   the tied embedding table (LM head, self-conditioning soft embedding) -- int8 codes with one scale per
-                 token row, beside the table (V x H bytes: 0.74 GB at the 26B shape, 8% of its int4 weights).
+                 token row, beside the table (V x H bytes: 0.74 GB at the 26B shape, 8% of its int4 weights),
+                 on CPUs without AMX-BF16 (`table_in_int8`).
 Attention itself, norms and the router stay in floating point.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch import nn
@@ -48,6 +51,7 @@ MAX_EXACT_K = 1 << 17
 # bf16 against int8, 1 / 64 / 256 rows): at 8,192 x 256 the soft embedding ran 0.80-0.92x and the head
 # 1.1x at a canvas's rows; at 32,768 x 512 the soft embedding 1.1-2.2x; from 65,536 x 1,024 on both 1.0-3.7x.
 MIN_TABLE_ENTRIES = 1 << 24
+TABLE_INT8_ON_AMX = False  # on CPUs with AMX-BF16 the table stays bf16 (`table_in_int8`); tests force the codes
 
 
 def resolve(mode: str, model: nn.Module) -> bool:
@@ -206,55 +210,46 @@ class Int8Table:
 def enable(model: nn.Module, mode: str = "auto", library: str = "auto") -> bool:
     """Prepare a quantised CPU model for int8 compute (see the module docstring) when `resolve` says so.
     Returns whether it is on. int8 weights are requantised in place: off again needs a fresh load.
-    `library`: the kernels of int4 routed experts (`dgemma.quant.openvino`): "openvino", "torch", or
-    "auto": OpenVINO where it is installed, unless the environment variable DGEMMA_CPU_KERNELS says torch."""
+    `library`: where the int4 weights' kernels come from (`dgemma.quant.openvino`): "torch"; "openvino" (every
+    int4 weight it can take, an error where it is not installed); or "auto": OpenVINO for the parts where it
+    is the faster (`openvino.takes`) where it is installed, unless the environment variable
+    DGEMMA_CPU_KERNELS names one of the other two. The weights OpenVINO takes are its only copy from then on
+    (`kernels.start_line` says which kernel runs each part: the commands print it)."""
     if library not in LIBRARIES:
-        raise ValueError(f"experts' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
+        raise ValueError(f"int4 weights' kernels are one of {', '.join(LIBRARIES)}, not {library!r}")
     if library == "auto":
         library = os.environ.get("DGEMMA_CPU_KERNELS", "auto")
+        if library not in LIBRARIES:
+            raise ValueError(f"DGEMMA_CPU_KERNELS is one of {', '.join(LIBRARIES)}, not {library!r}")
     if not resolve(mode, model):
         return False
     if model.int8_compute_on:
         return True
+    if library != "torch":
+        from dgemma.quant import openvino
+
+        openvino.hand_over(model, required=library == "openvino", everything=library == "openvino",
+                           threads=torch.get_num_threads())
     for module in model.modules():  # QuantLinear and QuantExperts (dgemma.quant.quantize) hold `int8`
+        if getattr(module, "weights_in_library", False):
+            continue
         if hasattr(module, "int8") and hasattr(module, "qweight"):
             module.int8 = _prepare(module, "qweight", "scales")
         elif hasattr(module, "int8"):
             prepared = {name: _prepare(module, f"{name}_q", f"{name}_scales") for name in ("gate_up_proj", "down_proj")}
             module.int8 = None if None in prepared.values() else prepared
-    if library != "torch":
-        _experts_to_library(model, required=library == "openvino")
-    table = model.embed_tokens.weight
-    model.int8_table = Int8Table(table) if table.numel() >= MIN_TABLE_ENTRIES else None
+    model.int8_table = Int8Table(model.embed_tokens.weight) if table_in_int8(model) else None
     model.int8_compute_on = True
     return True
 
 
-def _experts_to_library(model: nn.Module, required: bool):
-    """Every int4 QuantExperts to OpenVINO's kernels, where it is installed and the machine has the memory for
-    its copy of the weights (one note line on stderr either way, none where it is not installed; `required`:
-    not installed is an error)."""
-    from dgemma.quant import openvino as library
-
-    if library.unavailable():
-        if required:
-            raise ValueError(library.unavailable())
-        return
-    modules = [m for m in model.modules() if hasattr(m, "library") and library.applies(m)
-               and (not m.kernel_layout or all(devices.int4_kernel_layout_known(getattr(m, f"{n}_q").shape[1])
-                                               for n in ("gate_up_proj", "down_proj")))]  # a layout it reads
-    if not modules:
-        return
-    need = int(library.MEMORY_FACTOR * library.expert_bytes(model))
-    free = devices.available_host_memory()
-    if need > free:
-        print(f"note: routed experts stay on torch's int4 kernel: OpenVINO's copy of them needs ~{need / 2**30:.1f} GiB, "
-              f"{free / 2**30:.1f} GiB available", file=sys.stderr)
-        return
-    for module in modules:
-        module.library = library.OpenVinoExperts(module, torch.get_num_threads())
-    print(f"note: routed experts on OpenVINO's int4 x int8 kernels ({len(modules)} layers, ~{need / 2**30:.1f} GiB "
-          "for its copy of their weights)", file=sys.stderr)
+def table_in_int8(model: nn.Module) -> bool:
+    """Whether the tied table gets int8 codes for the LM head and the soft embedding: from MIN_TABLE_ENTRIES
+    entries, on CPUs without AMX-BF16. With AMX the bf16 table measured as fast at a canvas's rows on 1 thread
+    (65,536 x 2,816, 256 rows: head 1.19x faster, soft embedding 0.86x) and 1.8-2.3x faster on 2 loaded
+    threads (benchmarks/README.md), and the codes would cost V x H bytes more (0.69 GiB at the 26B's shape)."""
+    big = model.embed_tokens.weight.numel() >= MIN_TABLE_ENTRIES
+    return big and (TABLE_INT8_ON_AMX or not devices.cpu_has_amx_bf16())
 
 
 def _prepare(module: nn.Module, codes_name: str, scales_name: str):

@@ -1,24 +1,39 @@
-"""The routed experts of an int4 model on OpenVINO's CPU kernels (`pip install 'dgemma[cpu-kernels]'`).
+"""int4 weights on OpenVINO's CPU kernels, which then hold the only copy (OpenVINO: a default dependency on
+x86-64 Linux, `pip install 'dgemma[cpu-kernels]'` elsewhere).
 
-Measured on the 26B-A4B's expert shapes (`benchmarks/cpu_kernels.py`), OpenVINO's int4 fully connected layer
-with dynamic int8 quantisation of its activations (groups of 32) was 2.5-3x torch's int4 kernel at an
-expert's ~16 rows of a canvas, and a whole MoE layer of 256 tokens ran 2.6x faster; onnxruntime's
-MatMulNBits and QMoE, kt-kernel and torchao were slower or could not run Gemma's experts (the table in
-benchmarks/README.md). So where it is installed, int8 compute on a CPU (`dgemma.quant.int8_compute`)
-runs each layer's experts as one OpenVINO graph:
+Measured at the 26B-A4B's shapes (`benchmarks/cpu_kernels.py`, benchmarks/README.md), OpenVINO's int4 fully
+connected layer (FullyConnectedCompressed) is several times torch's int4 kernel at a canvas's rows: an
+expert's ~16 rows, the 256 rows of an attention projection or a dense MLP; torch's kernel is the faster at
+one row. So where it is installed, int8 compute on a CPU (`dgemma.quant.int8_compute.enable`) hands
+the int4 weights to it, part by part (`takes`), as compiled graphs:
 
-    x (R, H) bf16: the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
+  routed experts (`LibraryExperts`), one graph per layer:
+    x (R, H): the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
     for expert e: rows x[offsets[e] : offsets[e + 1]]
-        -> int4 gate|up (2I, H), group scales: FullyConnectedCompressed -> gelu_tanh(gate) * up
-        -> int4 down (H, I): FullyConnectedCompressed
-    y (R, H) bf16: the experts' outputs, in the same order
+        -> int4 gate|up (2I, H), group scales -> gelu_tanh(gate) * up -> int4 down (H, I)
+    y (R, H): the experts' outputs, in the same order
+  a linear layer (`LibraryLinear`: attention projections, dense MLPs), one graph each: x (M, K) -> (M, N)
 
-The codes are dgemma's (two's-complement nibbles, `quant.quantize_tensor`), handed over without the zero
-point the stored format carries. Tensors cross as views of torch's buffers (input, offsets, output: no
-copies). OpenVINO repacks the weights when it first runs them, into its own memory: the experts' int4 bytes
-again and ~15-40% more (the module keeps its own codes for every other path); `enable` declines where the
-machine has not that much memory available. Few entries (AR decoding: 8 of them) stay on torch's path,
-where the graph's per-expert cost (all E experts run, most on no rows) does not pay.
+The codes are dgemma's (two's-complement nibbles, `formats.quantize_tensor`, or read back from torch's int4
+kernel layout), handed over without the zero point the stored format carries. Activations cross as views
+of torch's buffers (input, offsets, output: no copies), in the model's dtype (bf16 or fp32; the products
+run in bf16 either way).
+
+One copy: OpenVINO repacks the weights into its own memory when a graph first runs, so each graph runs once
+at hand-over on one row per expert (every fully connected layer repacks), and then the module's own codes
+and scales are released (`release`): its buffers become meta tensors, shapes without storage. From then on
+the library's copy is the only one: every row count runs on it (an AR token too), and a path that needs
+dgemma's codes (dequantising, saving, LoRA on the weights, the torch kernels) raises `WeightsInLibrary`,
+one line that says how to get a model that has them (load it with the torch kernels).
+
+OpenVINO's copy costs more than the one it replaces (measured on one 26B layer's experts: 612 MiB for 408 MiB
+of codes and fp16 scales): the codes, each group's scale as fp32 twice (a converted constant and the kernel's
+transposed copy), ~0.2 MiB per fully connected layer, and the intermediate tensors of the largest call it has
+run; neither the scale dtype handed over, signed or unsigned codes, their alignment, nor its runtime cache's
+capacity changes that (benchmarks/README.md). So the hand-over is planned (`plan`, `library_bytes`): in
+dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
+experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and
+as many layers as fit; the others keep dgemma's copy and torch's kernels.
 """
 
 from __future__ import annotations
@@ -29,79 +44,186 @@ import torch
 from torch import nn
 
 GROUP = 32
-# Entries (token, choice) from which a layer runs on OpenVINO rather than torch's int4 kernel. Measured with
-# `python benchmarks/cpu_kernels.py --moe` at the 26B's shape, 1 thread: at 1 token (8 entries) the graph took
-# 0.74x torch's speed (its 128 experts all run, 120 on no rows), at 4 tokens (32 entries) 1.8x, at 256 3.0x.
-MIN_ENTRIES = 32
-# OpenVINO's own copy of the experts, as a share of their int4 bytes (measured 1.15-1.43x at the 26B's shape)
-MEMORY_FACTOR = 1.45
+# What OpenVINO holds besides the codes and two fp32 numbers per group, per fully connected layer (measured:
+# ~0.13-0.21 MiB), and the rows a canvas step gives a linear layer (batch 1), for `library_bytes`
+FC_BYTES = 200 << 10
+CANVAS_ROWS = 256
+# The hand-over plans the process's memory within this share of the machine's (and what is available):
+# on a 24 GB machine, 20 GiB
+MEMORY_SHARE = 0.85
+# Linear layers from this many weights go to the library; smaller ones keep dgemma's path, where a graph call's
+# fixed cost (~40 us) is more than the product (bench-20m's 256 x 256 layers)
+MIN_LINEAR_WEIGHTS = 1 << 20
+PARTS = ("experts", "linears")
+
+
+class WeightsInLibrary(ValueError):
+    """A path that needs dgemma's int4 codes on a module whose only copy is OpenVINO's."""
 
 
 def unavailable() -> str | None:
-    """Why the OpenVINO experts cannot run here, or None."""
+    """Why the OpenVINO kernels cannot run here, or None."""
     if importlib.util.find_spec("openvino") is None:
-        return "openvino is not installed (pip install 'dgemma[cpu-kernels]')"
+        return "openvino is not installed (pip install openvino, or 'dgemma[cpu-kernels]')"
     return None
 
 
-def applies(module: nn.Module) -> bool:
-    """An int4 QuantExperts whose widths are whole groups of 32."""
-    if getattr(module, "fmt", None) != "int4" or not hasattr(module, "gate_up_proj_q"):
+def _readable(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """int4 codes in a layout `plain_codes` reads, widths whole groups of 32."""
+    from dgemma import devices
+
+    if getattr(module, "fmt", None) != "int4" or getattr(module, "weights_in_library", False):
         return False
-    _, two_i, half_h = module.gate_up_proj_q.shape
-    return (2 * half_h) % GROUP == 0 and (two_i // 2) % GROUP == 0
+    for name in names:
+        q = getattr(module, name)
+        rows, half = q.shape[-2:]
+        if (2 * half) % GROUP or (module.kernel_layout and not devices.int4_kernel_layout_known(rows)):
+            return False
+    return True
+
+
+def takes(module: nn.Module, everything: bool = False) -> str | None:
+    """Which part a module is, if the library takes it: "experts" (a QuantExperts), "linears" (a QuantLinear
+    of at least MIN_LINEAR_WEIGHTS weights, or any size with `everything`), else None. (Known by their
+    buffers: dgemma.quant.quantize imports this module.)"""
+    if not hasattr(module, "library"):
+        return None
+    if hasattr(module, "gate_up_proj_q") and _readable(module, ("gate_up_proj_q", "down_proj_q")):
+        return "experts"
+    if hasattr(module, "qweight") and _readable(module, ("qweight",)) and \
+            (everything or module.in_features * module.out_features >= MIN_LINEAR_WEIGHTS):
+        return "linears"
+    return None
 
 
 def plain_codes(q: torch.Tensor, kernel: bool):
-    """One expert's codes (N, K/2) -> a (N, K/2) uint8 numpy array with column 2c in the low nibble, 2c + 1 in
-    the high one, each the signed 4-bit value (two's complement). `kernel`: read from the layout of torch's
-    CPU int4 kernel (blocks of 64 rows stored (K, 32), byte [k, j] = rows j (low) and j + 32 (high) of column
-    k: see `int8_compute.Int4Widener`), else from dgemma's (value + 8 per nibble). In numpy: its uint8 bit
-    operations are ~100x torch's here."""
+    """Codes (..., N, K/2) (one weight, or a stack of experts) -> a (..., N, K/2) uint8 numpy array with
+    column 2c in the low nibble, 2c + 1 in the high one, each the signed 4-bit value (two's complement).
+    `kernel`: read from the layout of torch's CPU int4 kernel (blocks of 64 rows stored (K, 32), byte [k, j] =
+    rows j (low) and j + 32 (high) of column k: see `int8_compute.Int4Widener`), else from dgemma's (value + 8
+    per nibble). In numpy, a whole stack at once: its uint8 bit operations are ~100x torch's here."""
     import numpy as np
 
     codes = q.numpy()
     if kernel:
-        N, half = codes.shape
-        pairs = codes.reshape(N // 64, half, 2, 32)  # (block, column pair, even / odd column, row in half-block)
-        even, odd = pairs[:, :, 0], pairs[:, :, 1]
-        plain = np.empty((N // 64, 64, half), np.uint8)
-        plain[:, :32] = ((even & np.uint8(15)) | ((odd & np.uint8(15)) << np.uint8(4))).transpose(0, 2, 1)
-        plain[:, 32:] = ((even >> np.uint8(4)) | (odd & np.uint8(0xF0))).transpose(0, 2, 1)
-        codes = plain.reshape(N, half)
+        *lead, N, half = codes.shape
+        pairs = codes.reshape(-1, N // 64, half, 2, 32)  # (weight, block, column pair, even / odd column, row)
+        even, odd = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        plain = np.empty((pairs.shape[0], N // 64, 64, half), np.uint8)
+        plain[:, :, :32] = ((even & np.uint8(15)) | ((odd & np.uint8(15)) << np.uint8(4))).transpose(0, 1, 3, 2)
+        plain[:, :, 32:] = ((even >> np.uint8(4)) | (odd & np.uint8(0xF0))).transpose(0, 1, 3, 2)
+        codes = plain.reshape(*lead, N, half)
     return codes ^ np.uint8(0x88)  # value + 8 -> value, in each nibble
 
 
-def plain_scales(scales: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """One expert's scales -> (N, K/32) fp16 (the kernel layout keeps (K/32, N, 2) scale and zero)."""
-    return (scales[..., 0].t() if kernel else scales).to(torch.float16).contiguous()
+def plain_scales(scales: torch.Tensor, kernel: bool):
+    """Scales (one weight's, or a stack's) -> a (..., N, K/32) fp16 numpy array (the kernel layout keeps
+    (..., K/32, N, 2) scale and zero)."""
+    return (scales[..., 0].transpose(-1, -2) if kernel else scales).to(torch.float16).contiguous().numpy()
 
 
-class OpenVinoExperts:
-    """One compiled OpenVINO graph for a QuantExperts' E experts (see the module docstring)."""
+def regroup(codes, scales, group: int):
+    """Plain signed codes (N, K/2) and fp16 scales (N, K/32) -> the same weight quantised again in groups of
+    `group` (dgemma's quantiser, its clip search included, over the dequantised values): numpy arrays in the
+    same forms, (N, K/group) scales."""
+    import numpy as np
 
-    def __init__(self, module: nn.Module, threads: int):
-        import numpy as np
+    from dgemma.quant.formats import dequantize_tensor, quantize_tensor
+
+    nibbles = torch.from_numpy(codes ^ np.uint8(0x88))  # back to dgemma's value + 8
+    dense = dequantize_tensor(nibbles, torch.from_numpy(scales), "int4", torch.float32)
+    q, s = quantize_tensor(dense, "int4", group)
+    return q.numpy() ^ np.uint8(0x88), s.numpy()
+
+
+class _Graph:
+    """What both kinds share: building int4 weights into a graph, compiling it, calling it on torch tensors."""
+
+    def __init__(self, dtype: torch.dtype, group: int):
         import openvino as ov
+
+        self.ov, self.group = ov, group
+        self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.io_type = ov.Type.bf16 if self.dtype == torch.bfloat16 else ov.Type.f32
+        self.keep = []  # the arrays the graph's constants read, alive until its first run has repacked them
+
+    def weight(self, codes, s):
+        """One weight's plain codes (N, K/2) and fp16 scales (N, K/32) (`plain_codes`, `plain_scales`) -> the
+        graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 -> times the (N, G, 1) scales -> (N, K), the
+        pattern OpenVINO compresses (it never makes the dense copy). In groups of `self.group`: wider than
+        dgemma's 32, the weight is quantised again (`regroup`)."""
+        import numpy as np
         import openvino.opset13 as ops
 
-        E, _, half_h = module.gate_up_proj_q.shape
-        H = 2 * half_h
-        kernel = bool(module.kernel_layout)
-        x = ops.parameter([-1, H], ov.Type.bf16, name="x")
-        offsets = ops.parameter([E + 1], ov.Type.i64, name="offsets")
-        rows = ops.convert(x, ov.Type.f32)
-        keep = []  # the arrays the constants read, alive until the first run has repacked them
+        ov = self.ov
+        if self.group != GROUP:
+            codes, s = regroup(codes, s, self.group)
+        N, G = s.shape
+        self.keep.extend((codes, s))  # views of a stack the caller keeps too; theirs, once regrouped
+        w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, self.group]), ov.Type.i4), shared_memory=True)
+        w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
+        return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * self.group], dtype=np.int64)), False),
+                           ov.Type.f32)
 
-        def fully_connected(inputs, name: str, e: int):
-            q, scales = getattr(module, f"{name}_q")[e], getattr(module, f"{name}_scales")[e]
-            codes, s = plain_codes(q, kernel), plain_scales(scales, kernel).numpy()
-            N, G = s.shape
-            keep.extend((codes, s))
-            w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, GROUP]), ov.Type.i4), shared_memory=True)
-            w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
-            w = ops.convert(ops.reshape(w, ops.constant(np.array([N, G * GROUP], dtype=np.int64)), False), ov.Type.f32)
-            return ops.matmul(inputs, w, False, True)
+    def compile(self, outputs, inputs, threads: int, name: str):
+        import openvino.opset13 as ops
+
+        ov = self.ov
+        y = ops.convert(outputs, self.io_type)
+        compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
+        self.request = compiled.create_infer_request()
+        # what the fully connected layers multiply: bf16 activations where the CPU has bf16 (AVX512_BF16, AMX),
+        # else fp32, quantised to int8 per group of 32 on the fly where it has VNNI (OpenVINO's choice)
+        precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
+        self.activations = "bf16" if "bf16" in precision or "bfloat16" in precision else \
+            "int8 (dynamic, groups of 32) or fp32"
+
+    def tensor(self, t: torch.Tensor):
+        """A torch tensor as an OpenVINO one over the same memory."""
+        ov = self.ov
+        if t.dtype == torch.bfloat16:
+            return ov.Tensor(t.view(torch.int16).numpy(), ov.Shape(list(t.shape)), ov.Type.bf16)
+        return ov.Tensor(t.numpy(), shared_memory=True)
+
+    def run(self, x: torch.Tensor, *others: torch.Tensor, out_features: int) -> torch.Tensor:
+        x = x.to(self.dtype).contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=self.dtype)
+        self.request.set_input_tensor(0, self.tensor(x))
+        for i, other in enumerate(others, start=1):
+            self.request.set_input_tensor(i, self.tensor(other))
+        self.request.set_output_tensor(self.tensor(out))
+        self.request.infer()
+        return out
+
+    def repacked(self):
+        """After the first run: OpenVINO holds its own copy; the arrays its constants read can go."""
+        self.keep.clear()
+
+
+class LibraryExperts(_Graph):
+    """One compiled graph for a QuantExperts' E experts (see the module docstring); releases the module's codes."""
+
+    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
+        import numpy as np
+        import openvino.opset13 as ops
+
+        super().__init__(module.compute_dtype, group)
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        H, kernel = 2 * half_h, bool(module.kernel_layout)
+        x = ops.parameter([-1, H], self.io_type, name="x")
+        offsets = ops.parameter([E + 1], self.ov.Type.i64, name="offsets")
+        rows = ops.convert(x, self.ov.Type.f32)
+
+        plain = {name: (plain_codes(getattr(module, f"{name}_q"), kernel),
+                        plain_scales(getattr(module, f"{name}_scales"), kernel))
+                 for name in ("gate_up_proj", "down_proj")}  # whole stacks: one conversion each
+        self.keep.append(plain)
+
+        def product(inputs, name: str, e: int):
+            codes, s = plain[name]
+            return ops.matmul(inputs, self.weight(codes[e], s[e]), False, True)
 
         def index(i: int):
             return ops.constant(np.array([i], dtype=np.int64))
@@ -110,36 +232,151 @@ class OpenVinoExperts:
         for e in range(E):
             start = ops.slice(offsets, index(e), index(e + 1), index(1))
             stop = ops.slice(offsets, index(e + 1), index(e + 2), index(1))
-            gate, up = ops.split(fully_connected(ops.slice(rows, start, stop, index(1), index(0)), "gate_up_proj", e),
+            gate, up = ops.split(product(ops.slice(rows, start, stop, index(1), index(0)), "gate_up_proj", e),
                                  ops.constant(np.int64(1)), 2).outputs()
-            outputs.append(fully_connected(ops.multiply(ops.gelu(gate, "tanh"), up), "down_proj", e))
-        y = ops.convert(ops.concat(outputs, 0), ov.Type.bf16)
-        compiled = ov.Core().compile_model(ov.Model([y], [x, offsets], "experts"), "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
-        self._ov, self.request, self.num_experts, self.hidden = ov, compiled.create_infer_request(), E, H
-        self(torch.zeros(E, H, dtype=torch.bfloat16), [1] * E)  # repacks the weights: `keep` can go
-        keep.clear()
+            outputs.append(product(ops.multiply(ops.gelu(gate, "tanh"), up), "down_proj", e))
+        self.compile(ops.concat(outputs, 0), [x, offsets], threads, "experts")
+        self.num_experts, self.hidden = E, H
+        self(torch.zeros(E, H, dtype=self.dtype), [1] * E)  # one row per expert: every layer repacks
+        self.repacked()
+        release(module, ("gate_up_proj_q", "down_proj_q", "gate_up_proj_scales", "down_proj_scales"))
 
+    @torch.compiler.disable
     def __call__(self, grouped_x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """grouped_x (R, H), rows sorted by expert (counts[e] rows each) -> the experts' outputs (R, H)."""
-        ov = self._ov
-        x = grouped_x.to(torch.bfloat16).contiguous()
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(counts).cumsum(0)
-        out = torch.empty_like(x)
-        self.request.set_input_tensor(0, ov.Tensor(x.view(torch.int16).numpy(), ov.Shape(list(x.shape)), ov.Type.bf16))
-        self.request.set_input_tensor(1, ov.Tensor(offsets.numpy(), shared_memory=True))
-        self.request.set_output_tensor(ov.Tensor(out.view(torch.int16).numpy(), ov.Shape(list(out.shape)), ov.Type.bf16))
-        self.request.infer()
-        return out.to(grouped_x.dtype)
-
-    @staticmethod
-    def runs(entries: int) -> bool:
-        return entries >= MIN_ENTRIES
+        return self.run(grouped_x, offsets, out_features=self.hidden).to(grouped_x.dtype)
 
 
-def expert_bytes(model: nn.Module) -> int:
-    """The int4 codes and scales of every QuantExperts the OpenVINO graphs would take."""
-    return sum(t.numel() * t.element_size() for m in model.modules() if applies(m)
-               for t in (m.gate_up_proj_q, m.down_proj_q, m.gate_up_proj_scales, m.down_proj_scales))
+class LibraryLinear(_Graph):
+    """One compiled graph for a QuantLinear, x (..., K) -> (..., N); releases the module's codes."""
+
+    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
+        import openvino.opset13 as ops
+
+        super().__init__(module.compute_dtype, group)
+        K, N = module.in_features, module.out_features
+        x = ops.parameter([-1, K], self.io_type, name="x")
+        kernel = bool(module.kernel_layout)
+        w = self.weight(plain_codes(module.qweight, kernel), plain_scales(module.scales, kernel))
+        self.compile(ops.matmul(ops.convert(x, self.ov.Type.f32), w, False, True), [x], threads, "linear")
+        self.in_features, self.out_features = K, N
+        self(torch.zeros(1, K, dtype=self.dtype))
+        self.repacked()
+        release(module, ("qweight", "scales"))
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        return self.run(flat, out_features=self.out_features).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def release(module: nn.Module, names: tuple[str, ...]):
+    """Drop the module's own copy of its weights: each buffer becomes a meta tensor of the same shape and dtype
+    (no storage), and `weights_in_library` marks the module (see `WeightsInLibrary`)."""
+    for name in names:
+        setattr(module, name, torch.empty_like(getattr(module, name), device="meta"))
+    module.weights_in_library = True
+
+
+def library_bytes(module: nn.Module, group: int) -> int:
+    """What OpenVINO holds for a module in groups of `group` (measured, benchmarks/README.md): the int4 codes,
+    two fp32 numbers per group (its scale, converted, and the kernel's transposed copy), FC_BYTES per fully
+    connected layer, and the intermediate tensors a canvas step leaves allocated (bf16, CANVAS_ROWS rows)."""
+    weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
+    elements = sum(2 * q.numel() for q in weights)
+    layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
+    if hasattr(module, "gate_up_proj_q"):
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        rows, widths = CANVAS_ROWS * 8, 2 * (2 * half_h) + two_i + two_i // 2  # top-8 entries per token
+    else:
+        rows, widths = CANVAS_ROWS, module.in_features + module.out_features
+    return elements // 2 + elements // group * 8 + layers * FC_BYTES + rows * widths * 2
+
+
+def reserve_bytes(config) -> int:
+    """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
+    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step)."""
+    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20)
+
+
+def plan(chosen: list, reserve: int) -> tuple[int, list]:
+    """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
+    process stays within MEMORY_SHARE of the machine's memory and within what is available, with `reserve`
+    bytes left for a step's activations. Every linear layer first (a few percent of the weights, as fast a
+    gain as the experts' per layer), then the experts: all of them in dgemma's groups of 32, else in groups
+    of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32) where nothing does."""
+    from dgemma import devices, processes
+
+    rss = processes.resident_memory()["rss"]
+    ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
+    room = ceiling - reserve - rss  # what the hand-over may add
+
+    def growth(module, part, group):
+        return library_bytes(module, group if part == "experts" else GROUP) - held_bytes([module])
+
+    linears = [(m, p) for m, p in chosen if p == "linears"]
+    experts = [(m, p) for m, p in chosen if p == "experts"]
+    groups = [GROUP] + ([2 * GROUP] if experts and all(_groups_divide(m, 2 * GROUP) for m, _ in experts) else [])
+    for group in groups:
+        if sum(growth(m, p, group) for m, p in chosen) <= room:
+            return group, chosen
+    taken, group = [], groups[-1]
+    for module, part in linears + experts:
+        cost = growth(module, part, group)
+        if cost <= room:
+            taken.append((module, part))
+            room -= cost
+    return group, taken
+
+
+def _groups_divide(module: nn.Module, group: int) -> bool:
+    return all((2 * getattr(module, n).shape[-1]) % group == 0 for n in ("gate_up_proj_q", "down_proj_q"))
+
+
+def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: int) -> dict[str, int]:
+    """Give the library the parts it takes (`takes`) that `plan` fits in memory, module by module, each module's
+    own copy released as soon as the library holds its own; one note on stderr where memory kept any on
+    torch's kernels. `required`: not installed is an error. Returns {part: modules handed over, "left": modules
+    memory kept, "group": the experts' group size}."""
+    import sys
+
+    if unavailable():
+        if required:
+            raise ValueError(unavailable())
+        return {}
+    chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
+    if not chosen:
+        return {}
+    group, taken = plan(chosen, reserve_bytes(model.config))
+    if len(taken) < len(chosen):
+        print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
+              f"copy of them would not fit the memory (within {MEMORY_SHARE:.0%} of it, and what is available)",
+              file=sys.stderr)
+    counts = dict.fromkeys(PARTS, 0)
+    for module, part in taken:
+        if part == "experts":
+            module.library = LibraryExperts(module, threads, group)
+        else:
+            module.library = LibraryLinear(module, threads)
+        module.int8 = None  # int8 compute's per-weight state read the released codes
+        counts[part] += 1
+    return {part: n for part, n in counts.items() if n} | {"left": len(chosen) - len(taken), "group": group}
+
+
+def refuse(what: str):
+    """The one line a path that needs dgemma's copy of library-held weights raises."""
+    raise WeightsInLibrary(
+        f"{what} needs dgemma's own int4 weights, and this model handed them to OpenVINO (its only copy, "
+        "dgemma.quant.openvino): load it with DGEMMA_CPU_KERNELS=torch (or --cpu-int8-compute off) for that")
+
+
+def in_library(model: nn.Module) -> bool:
+    """Whether any module's weights are held by the library only."""
+    return any(getattr(m, "weights_in_library", False) for m in model.modules())
+
+
+def held_bytes(modules) -> int:
+    """The int4 codes and scales these modules hold (what the library takes over)."""
+    return sum(t.numel() * t.element_size() for m in modules for t in m.buffers(recurse=False))

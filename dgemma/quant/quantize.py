@@ -19,8 +19,6 @@ the fused experts. On CUDA, experts serving many tokens are dequantised all at o
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,117 +26,22 @@ import torch.nn.functional as F
 from dgemma import devices
 from dgemma.model.experts import Experts
 from dgemma.model.layers import gated_gelu
-from dgemma.quant import int8_compute
+from dgemma.quant import int8_compute, openvino
+from dgemma.quant.formats import (  # noqa: F401  (the formats' names, read from here by most callers)
+    FORMATS,
+    GROUP_SIZE,
+    dequantize_tensor,
+    fits_int4_kernel,
+    group_size,
+    quantize_tensor,
+    random_quantized,
+)
 
-FORMATS = ("int8", "int4")
-GROUP_SIZE = {"int8": 64, "int4": 32}  # weights per scale; int4 needs finer groups for the same error
 CODE_BYTES = {"int8": 1.0, "int4": 0.5}  # one weight's code (int4: two codes a byte)
 SCALE_BYTES = 2  # one fp16 scale per group
 
-
-def group_size(in_features: int, fmt: str) -> int:
-    """The input-dim group of one scale for a weight `in_features` wide: GROUP_SIZE[fmt] where it divides the
-    width, else the whole row (one group per row for odd widths)."""
-    return GROUP_SIZE[fmt] if in_features % GROUP_SIZE[fmt] == 0 else in_features
-
-
-def fits_int4_kernel(in_features: int) -> bool:
-    """Whether torch's CPU int4 matmul takes a weight `in_features` wide: whole groups of GROUP_SIZE["int4"]."""
-    return in_features % GROUP_SIZE["int4"] == 0
-
-
-# Quantising works through this many weights at a time, so its fp32 temporaries stay a few tens of MB
-# whatever the tensor (a 26B expert tensor is 0.5G weights: whole, the clip search would need ~10 GB).
-QUANT_CHUNK_ELEMENTS = 1 << 22
 # Dequantising a whole stack of experts goes through fp32 this many weights at a time.
 DEQUANT_CHUNK_ELEMENTS = 1 << 26
-
-dequantize_calls = 0  # dequantize_tensor calls outside compiled graphs (tests count them per step)
-
-
-def quantize_tensor(w: torch.Tensor, fmt: str):
-    """w (..., out, in) -> (q, scales). int8: q int8 (..., out, in); int4: q uint8 (..., out, in/2), two
-    nibbles per byte. scales (..., out, in/group) fp16 with w ≈ q * scale per group (2 bytes a group:
-    int4 costs 0.5625 bytes a weight with groups of 32). Rows are quantised a chunk at a time."""
-    *lead, out_f, in_f = w.shape
-    group = group_size(in_f, fmt)
-    rows = w.reshape(-1, in_f)
-    q = torch.empty(rows.shape[0], in_f // 2 if fmt == "int4" else in_f,
-                    dtype=torch.uint8 if fmt == "int4" else torch.int8, device=w.device)
-    scales = torch.empty(rows.shape[0], in_f // group, dtype=torch.float16, device=w.device)
-    step = max(1, QUANT_CHUNK_ELEMENTS // in_f)
-    for a in range(0, rows.shape[0], step):
-        q[a : a + step], scales[a : a + step] = _quantize_rows(rows[a : a + step], fmt, group)
-    return q.view(*lead, out_f, q.shape[-1]), scales.view(*lead, out_f, scales.shape[-1])
-
-
-def _quantize_rows(w: torch.Tensor, fmt: str, group: int):
-    """w (n, in) -> q (n, in or in/2), scales (n, in/group) fp16."""
-    n, in_f = w.shape
-    qmax = 127 if fmt == "int8" else 7
-    qmin = -qmax - 1 if fmt == "int4" else -qmax
-    groups = w.float().reshape(n, in_f // group, group)
-    absmax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    # int4 has 16 levels: clipping the largest weights a little lowers the error of all the others.
-    # Per group, keep the clip ratio with the least squared error (int8 has enough levels not to need it).
-    best_scale = absmax / qmax
-    if fmt == "int4":
-        best_err = None
-        for r in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75):
-            scale = absmax * r / qmax
-            err = (torch.round(groups / scale).clamp_(qmin, qmax).mul_(scale).sub_(groups)).square_().sum(-1, keepdim=True)
-            if best_err is None:
-                best_err, best_scale = err, scale
-            else:
-                better = err < best_err
-                best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
-    best_scale = best_scale.to(torch.float16).float()  # stored as fp16: quantise against what is stored
-    q = torch.round(groups / best_scale).clamp_(qmin, qmax).to(torch.int8).reshape(n, in_f)
-    if fmt == "int4":
-        nibbles = (q + 8).to(torch.uint8)  # 0..15
-        q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return q, best_scale.squeeze(-1).to(torch.float16)
-
-
-def dequantize_tensor(q: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """(q, scales) of `quantize_tensor` -> weights (..., out, in) in `dtype` (computed in fp32, rounded
-    once); into `out` when given."""
-    global dequantize_calls
-    if not torch.compiler.is_dynamo_compiling():
-        dequantize_calls += 1
-    if fmt == "int4":
-        low = (q & 0x0F).to(torch.int8) - 8
-        high = (q >> 4).to(torch.int8) - 8
-        q = torch.stack([low, high], dim=-1).flatten(-2)
-    *lead, out_f, in_f = q.shape
-    groups = scales.shape[-1]
-    w = q.reshape(*lead, out_f, groups, in_f // groups).float() * scales.float()[..., None]
-    w = w.reshape(*lead, out_f, in_f)
-    if out is None:
-        return w.to(dtype)
-    return out.copy_(w)
-
-
-def random_quantized(shape: tuple[int, ...], fmt: str, std: float, generator: torch.Generator | None = None,
-                     device=None):
-    """Random (q, scales) for a (..., out, in) weight, made directly in the quantised format (no dense
-    copy): codes uniform over the format's levels, every scale std / (the levels' standard deviation),
-    so the dequantised weights have standard deviation ~std. For benchmarks of the full-size model."""
-    *lead, out_f, in_f = shape
-    group = group_size(in_f, fmt)
-    packed = (*lead, out_f, in_f // 2 if fmt == "int4" else in_f)
-    n = math.prod(packed)
-    # random bytes, 8 at a time (3x faster than drawing bytes: 13 GB of int4 codes take ~1.5 min on 2 cores)
-    words = torch.empty(-(-n // 8), dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1, generator=generator)
-    q = words.view(torch.uint8)[:n].view(packed)
-    if fmt == "int4":
-        level_std = (((16**2) - 1) / 12) ** 0.5  # uniform over -8..7
-    else:
-        q = q.view(torch.int8)
-        level_std = (((256**2) - 1) / 12) ** 0.5  # uniform over -128..127
-    scales = torch.full((*lead, out_f, in_f // group), std / level_std, dtype=torch.float16, device=device)
-    return q, scales
 
 
 class QuantLinear(nn.Module):
@@ -159,14 +62,20 @@ class QuantLinear(nn.Module):
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
     int8 = None  # what int8 compute needs once `int8_compute.enable` ran: channel scales or an Int4Widener
+    library = None  # an `openvino.LibraryLinear` once `int8_compute.enable` gave the weights to it
+    weights_in_library = False  # True once the library holds the only copy (the buffers are meta tensors)
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.weights_in_library:
+            openvino.refuse("reading a layer's weights (dequantising, LoRA merging)")
         if self.kernel_layout:
             return _kernel_dequantize(self.qweight, self.scales, self.in_features, self.compute_dtype)
         return dequantize_tensor(self.qweight, self.scales, self.fmt, self.compute_dtype)
 
     def forward(self, x):
+        if self.library is not None:
+            return self.library(x)
         if self.int8 is not None:
             out = int8_compute.linear(self, x)
             if out is not None:
@@ -219,10 +128,11 @@ class QuantExperts(Experts):
 
     kernel_layout = False  # True once `use_cpu_int4_kernel` repacked the weights for torch's CPU int4 matmul
     int8 = None  # {"gate_up_proj": ..., "down_proj": ...} once `int8_compute.enable` ran
-    library = None  # an `openvino_experts.OpenVinoExperts` once `int8_compute.enable` gave the experts to it
+    library = None  # an `openvino.LibraryExperts` once `int8_compute.enable` gave the experts to it
+    weights_in_library = False  # True once the library holds the only copy (the buffers are meta tensors)
 
     def _per_expert(self, grouped_x, counts: list[int]) -> torch.Tensor:
-        if self.library is not None and self.library.runs(grouped_x.shape[0]) and not torch.is_grad_enabled():
+        if self.library is not None:  # every row count: its copy is the only one
             return self.library(grouped_x, counts)
         if self.int8 is not None:
             out = int8_compute.experts(self, grouped_x, counts, gated_gelu, self._one_expert)
@@ -244,6 +154,8 @@ class QuantExperts(Experts):
 
     def _one_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e on its rows (n, H): torch's int4 kernel where it runs, else dequantised weights."""
+        if self.weights_in_library:
+            openvino.refuse("running an expert on torch's kernels")
         if not self._kernel_runs(rows):
             gate_up, down = self.expert_weights(e)
             return F.linear(gated_gelu(F.linear(rows, gate_up)), down)
@@ -252,6 +164,8 @@ class QuantExperts(Experts):
         return mm(hidden.contiguous(), self.down_proj_q[e], group, self.down_proj_scales[e])
 
     def expert_weights(self, e: int):
+        if self.weights_in_library:
+            openvino.refuse("reading an expert's weights (dequantising, LoRA on the experts)")
         if self.kernel_layout:
             h = self.down_proj_q.shape[1]
             return (_kernel_dequantize(self.gate_up_proj_q[e], self.gate_up_proj_scales[e], h, self.compute_dtype),
@@ -275,6 +189,8 @@ class QuantExperts(Experts):
     def dequantized(self, name: str) -> torch.Tensor:
         """All experts' `name` tensor (E, out, in) in the model dtype, in a buffer shared by every layer
         (valid until the next layer's call), dequantised a block of experts at a time."""
+        if self.weights_in_library:
+            openvino.refuse("dequantising the experts")
         q, scales = getattr(self, f"{name}_q"), getattr(self, f"{name}_scales")
         E, out_f = q.shape[:2]
         in_f = q.shape[2] * 2 if self.fmt == "int4" else q.shape[2]
@@ -338,6 +254,8 @@ def use_cpu_int4_kernel(model: nn.Module) -> bool:
     if model.quantization != "int4" or not cpu_int4_kernel_applies(model):
         return False
     for module in model.modules():
+        if module.__dict__.get("weights_in_library"):
+            continue  # its only copy is the library's
         if isinstance(module, QuantLinear) and not module.kernel_layout and fits_int4_kernel(module.in_features):
             module.qweight, module.scales = _to_kernel_layout(module.qweight, module.scales, module.compute_dtype)
             module.kernel_layout = True
@@ -395,6 +313,8 @@ def load_dense_into(module: nn.Module, name: str, tensor: torch.Tensor):
 @torch.no_grad()
 def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
     """Quantise an already loaded model in place (tests, and models built in memory)."""
+    if openvino.in_library(model):
+        openvino.refuse("quantising the model again")
     dense = {name: t for name, t in model.state_dict().items()}
     for name, module in swap_modules(model, fmt).items():
         load_dense_into(module, name, dense[name])
@@ -423,6 +343,7 @@ def bytes_per_weight(fmt: str) -> float:
 
 
 def loaded_weight_bytes(model: nn.Module) -> int:
-    """Bytes a loaded model's parameters and buffers hold (what its weights cost in memory, measured)."""
+    """Bytes a loaded model's parameters and buffers hold (what its weights cost in memory, measured; meta
+    tensors, the shapes of weights a kernel library holds, `dgemma.quant.openvino`, hold none)."""
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from dgemma.config import STEP_CACHE_KEYS, ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
+from dgemma.quant import openvino
 from dgemma.quant.quantize import (
     FORMATS,
     GROUP_SIZE,
@@ -399,6 +400,8 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
     half-written checkpoint, and an existing `out_dir` is replaced only once the new one is complete.
     """
     fmt = model.quantization
+    if weights is None and openvino.in_library(model):
+        openvino.refuse("saving the model")
     if fmt and is_kernel_layout(model):
         raise ValueError("this int4 model is repacked for torch's CPU int4 matmul; load it with "
                          "cpu_int4_kernel=False to save it")
