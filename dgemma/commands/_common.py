@@ -293,12 +293,10 @@ def add_step_cache_arguments(g):
                    help="read that probability at the step's temperature (tempered, the default) or the model's own")
     g.add_argument("--cache-refresh", type=non_negative_int, default=None, metavar="R",
                    help="recompute every position every R-th step (default 0: never)")
-    g.add_argument("--refresh-share", type=probability, default=None, metavar="P",
-                   help="each step also recompute the settled positions holding this share of the attention the "
-                        "computed ones put on settled ones (default 0: none)")
-    g.add_argument("--refresh-order", choices=REFRESH_ORDERS, default=None,
-                   help="which settled positions --refresh-share recomputes: the most attended (the default), or "
-                        "as many random or longest-kept ones")
+    g.add_argument("--refresh-share", type=probability, default=None, metavar="P", help="each step also recompute "
+                   "the settled positions holding this share of the attention on settled ones (default 0: none)")
+    g.add_argument("--refresh-order", choices=REFRESH_ORDERS, default=None, help="which ones --refresh-share "
+                   "recomputes: the most attended (the default), or as many random or longest-kept ones")
 
 
 def step_cache_overrides(args) -> dict:
@@ -310,8 +308,7 @@ def step_cache_overrides(args) -> dict:
 
 
 def decoder_positions_text(stats: dict) -> str:
-    """What the step cache saved, from a request's stats: "N of M decoder positions (x%)", M being what whole
-    canvases at every step would have run."""
+    """A request's "N of M decoder positions (x%)": M is what whole canvases at every step would have run."""
     done, whole = stats["decoder_positions"], stats["whole_canvas_positions"]
     return f"{done:,} of {whole:,} decoder positions ({done / max(whole, 1):.0%})"
 
