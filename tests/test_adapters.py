@@ -68,9 +68,9 @@ def test_adapters_served_by_name_beside_the_base_model(lora_run, tiny_model_dir)
             request = Engine(model, max_batch=1, max_length=256).generate(
                 [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32), seeds=[seed])[0]
             references[name, seed] = tokenizer.decode(request.tokens)
-    cached = Engine(model, max_batch=1, max_length=256).generate(  # the base model with the step cache
-        [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32, step_cache=True), seeds=[4])[0]
-    references[MODEL, "step cache"] = tokenizer.decode(cached.tokens)
+        cached = Engine(model, max_batch=1, max_length=256).generate(  # with the step cache
+            [tokenizer.encode(prompt)], model.sampling_config.replace(max_new_tokens=32, step_cache=True), seeds=[4])[0]
+        references[name, "step cache"] = tokenizer.decode(cached.tokens)
     assert all(references["ft", s] != references[MODEL, s] for s in (1, 2, 3))  # the adapter changes the answers
 
     s = ServerProcess(tiny_model_dir, "--eager", "--max-batch", "6", "--lora", f"ft={lora_run / 'adapter'}")
@@ -84,20 +84,17 @@ def test_adapters_served_by_name_beside_the_base_model(lora_run, tiny_model_dir)
             out = client.completions.create(model=job[0], prompt=prompt, max_tokens=32, seed=job[1])
             return out.model, out.choices[0].text
 
-        def ask_with_the_step_cache():  # beside the adapter rows: a step-cache forward holds base rows alone
-            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, seed=4,
+        def ask_with_the_step_cache(name):  # beside the other rows: each packed position takes its row's adapter
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=32, seed=4,
                                             extra_body={"step_cache": True})
             return out.model, out.choices[0].text
 
-        with ThreadPoolExecutor(len(jobs) + 1) as pool:
-            step_cache = pool.submit(ask_with_the_step_cache)
+        with ThreadPoolExecutor(len(jobs) + 2) as pool:
+            step_cache = {name: pool.submit(ask_with_the_step_cache, name) for name in (MODEL, "ft")}
             answers = dict(zip(jobs, pool.map(ask, jobs)))
-            answers[MODEL, "step cache"] = step_cache.result()
+            answers.update({(name, "step cache"): job.result() for name, job in step_cache.items()})
         for job, (served_as, text) in answers.items():
             assert served_as == job[0] and text == references[job], job
-        with pytest.raises(openai.BadRequestError) as caught:  # not with an adapter yet
-            client.completions.create(model="ft", prompt=prompt, max_tokens=16, extra_body={"step_cache": True})
-        assert caught.value.body["param"] == "step_cache" and "'ft' is one" in caught.value.body["message"]
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model="ft2", prompt=prompt, max_tokens=16)
         assert caught.value.body["code"] == "model_not_found"

@@ -94,15 +94,20 @@ def passes(model):
     return {"encode": enc, "denoise": first, "denoise_sc": second}
 
 
-def engine_tokens(model):
+def engine_tokens(model, **sampling_changes):
     """A batch of 4 prompts of different lengths through the engine (seeded, two canvases at most)."""
     from dgemma.engine import Engine
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 5, 14)]
     sampling = model.sampling_config.replace(max_new_tokens=2 * model.config.canvas_length, max_denoising_steps=6,
-                                             eos_token_ids=(1,), seed=7)
-    return [r.tokens for r in Engine(model, max_batch=4, max_length=64).generate(prompts, sampling)]
+                                             eos_token_ids=(1,), seed=7, **sampling_changes)
+    requests = Engine(model, max_batch=4, max_length=64).generate(prompts, sampling)
+    return [(r.tokens, r.stats()["decoder_positions"]) for r in requests]
+
+
+# the step cache with its attention-targeted refresh on a random model (which is never sure: a low bar settles)
+STEP_CACHE = dict(step_cache=True, settle_steps=1, settle_probability=0.02, refresh_share=0.3)
 
 
 def loop_and_scores(model):
@@ -131,6 +136,8 @@ def _split_passes(rank, folder, out):
         assert model.embed_tokens.weight.shape[0] == model.config.vocab_size // 2
         assert model.layers[0].experts.gate_up_proj.shape[0] == 4  # 8 experts, 4 a rank
         results[quantize] = {**passes(model), "tokens": engine_tokens(model), **loop_and_scores(model)}
+        if quantize is None:
+            results[quantize]["step cache"] = engine_tokens(model, **STEP_CACHE)
     model = load_split_model(folder, tp, quantize="int8")
     assert int8_compute.enable(model, "on") and model.int8_table is not None  # --cpu-int8-compute on
     results["int8 compute"] = passes(model)
@@ -170,7 +177,11 @@ def test_split_logits_match_one_process(split_checkpoint, tmp_path):
         model = load_model(split_checkpoint, quantize=quantize)
         tokens = engine_tokens(model)
         assert split[quantize].pop("tokens") == tokens
-        assert sum(map(len, tokens)) > 40  # past one canvas: commits went through the split encoder too
+        assert sum(len(t) for t, _ in tokens) > 40  # past one canvas: commits went through the split encoder too
+        if quantize is None:  # the step cache: the same tokens and decoder positions, fewer than without it
+            cached = engine_tokens(model, **STEP_CACHE)
+            assert split[quantize].pop("step cache") == cached
+            assert sum(p for _, p in cached) < sum(p for _, p in tokens)
         expected = loop_and_scores(model)
         assert split[quantize].pop("loop") == expected["loop"]
         for ours, theirs in zip(split[quantize].pop("scores"), expected["scores"]):

@@ -82,6 +82,94 @@ def test_settled_positions_keys_are_not_recomputed():
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_attention_read_is_attention_written_out():
+    """`attention_read`: the output of `attention` (GQA, a mask) and, per key, the softmax weights summed over the
+    heads and the valid queries."""
+    from dgemma.model.attention import attention, attention_read
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8,
+                                                                                                       generator=g)
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    valid = torch.tensor([[True, True, False, True, True], [True] * 5])
+    out, read = attention_read(q, k, v, mask, valid, chunk_elements=2 * 4 * 7 * 2)  # query blocks of 2
+    torch.testing.assert_close(out, attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(-1) * valid[:, None, :, None]
+    torch.testing.assert_close(read, weights.sum((1, 2)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_packed_step_reads_the_attention_on_the_canvas_after_the_first_layer():
+    """decode_active's read (n, L): what the packed positions' queries put on each canvas slot in layers 1..,
+    a share of every query's unit mass (the rest goes to the prefix); a row with no active position reads none."""
+    model = _model()
+    cache, canvas, previous = _setup(model)
+    n, L = canvas.shape
+    active = torch.zeros(n, L, dtype=torch.bool)
+    active[0, :5] = True
+    active[2] = True
+    read = torch.zeros(n, L)
+    with torch.no_grad():
+        model.decode_active(canvas, cache, PackedPositions.whole(n, L, canvas.device), self_conditioning=previous)
+        model.decode_active(canvas, cache, PackedPositions.from_mask(active), self_conditioning=previous, read=read)
+    heads, layers = model.config.num_heads, model.config.num_layers - 1
+    assert not read[1].any() and (read[[0, 2]] > 0).all()
+    assert (read.sum(1)[[0, 2]] < active.sum(1)[[0, 2]] * heads * layers).all()  # the prefix takes the rest
+    assert read.sum(1)[2] > read.sum(1)[0]  # more queries, more mass
+
+
+def test_every_position_active_with_adapters_per_row_gives_the_whole_canvas_logits():
+    """Served LoRA adapters with the step cache: each packed position takes its row's adapter (rows on the base
+    model, adapter 1 and adapter 2 in one packed forward) and every position active gives `denoise`'s logits."""
+    from dgemma.model.adapters import Adapter, install_adapters
+
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    adapters = []
+    for name in ("a", "b"):
+        weights = {}
+        for module in ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "layers.2.self_attn.o_proj"):
+            linear = model.get_submodule(module)
+            weights[module] = (torch.randn(4, linear.in_features, generator=g) * 0.3,
+                               torch.randn(linear.out_features, 4, generator=g) * 0.3)
+        adapters.append(Adapter(name, 2.0, weights, None))
+    rows = install_adapters(model, adapters)
+    cache, canvas, previous = _setup(model)
+    n, L = canvas.shape
+    ids = torch.tensor([0, 1, 2])
+    with torch.no_grad(), rows.set(ids):
+        whole = model.denoise(canvas, cache, self_conditioning=previous)
+        packed = model.decode_active(canvas, cache, PackedPositions.whole(n, L, canvas.device),
+                                     self_conditioning=previous)
+    torch.testing.assert_close(packed.view(n, L, -1), whole, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), rows.set(torch.zeros(3, dtype=torch.long)):
+        base = model.denoise(canvas, cache, self_conditioning=previous)
+    assert (base[1] - whole[1]).abs().max() > 1e-3  # the adapter changed row 1
+
+
+@pytest.mark.parametrize("order", ["attention", "random", "oldest"])
+def test_the_refresh_takes_as_many_settled_positions_as_hold_the_attention_share(order):
+    """refresh_share 0.5: row 0's settled positions received 4, 3, 2 and 1 of its attention, so the smallest set
+    holding half of it has 2 positions; "attention" takes those two, "oldest" the two computed longest ago,
+    "random" two settled ones. A row with nothing settled refreshes nothing. The next step runs them."""
+    from dgemma.generation.step_cache import StepCache
+
+    cache = StepCache(_sampling(step_cache=True, refresh_share=0.5, refresh_order=order), 2, 6, 3, "cpu",
+                      torch.Generator().manual_seed(0))
+    cache.settled = torch.tensor([[True, True, True, True, False, False], [False] * 6])
+    cache.read = torch.tensor([[4.0, 3.0, 2.0, 1.0, 9.0, 9.0], [1.0] * 6])
+    cache.computed_at = torch.tensor([[3, 1, 2, 1, 4, 4], [0] * 6])
+    refresh = cache._to_refresh()
+    assert refresh.sum(1).tolist() == [2, 0] and not (refresh & ~cache.settled).any()
+    if order == "attention":
+        assert refresh[0].tolist() == [True, True, False, False, False, False]
+    elif order == "oldest":
+        assert refresh[0].tolist() == [False, True, False, True, False, False]
+    cache.refreshing, cache.steps = refresh, 1
+    assert cache.active(torch.zeros(2, dtype=torch.bool)).tolist() == (~cache.settled | refresh).tolist()
+
+
 # -- the rule and the plain loop, on a model whose logits at a position depend only on its own token ---------------
 class PositionwiseModel:
     """logits[b, j] = table[canvas[b, j]] + bias[j]: no position sees another, so keeping a position's logits
@@ -99,7 +187,7 @@ class PositionwiseModel:
         self.table[V // 2 :, V // 2 :] += torch.eye(V - V // 2) * 12
         self.bias = torch.randn(canvas_length, V, generator=g)
         self.rows_margin = rows_margin
-        self.packs: list[list[int]] = []  # per decode_active call: the packed rows' counts
+        self.packs: list[list[int]] = []  # per forward: each row's count of positions run
 
     def new_cache(self, batch_size, max_length):
         return None
@@ -111,10 +199,11 @@ class PositionwiseModel:
         margin = torch.tensor([self.rows_margin[b % len(self.rows_margin)] for b in range(canvas.shape[0])])
         return (self.table[canvas] + self.bias) * margin[:, None, None]
 
-    def denoise(self, canvas_ids, cache, *, self_conditioning=None):
+    def denoise(self, canvas_ids, cache, *, self_conditioning=None, rows=None):
+        self.packs.append([canvas_ids.shape[1]] * canvas_ids.shape[0])  # a whole-canvas step
         return self._logits(canvas_ids)
 
-    def decode_active(self, canvas_ids, cache, pack, *, self_conditioning=None, rows=None):
+    def decode_active(self, canvas_ids, cache, pack, *, self_conditioning=None, rows=None, read=None):
         self.packs.append(list(pack.counts))
         return self._logits(canvas_ids)[pack.row_of, pack.index]
 
@@ -185,17 +274,27 @@ def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
     import json
 
     assert "dgemma" not in dgemma.SamplingConfig().to_hf_dict()  # off: the file stays as it was
-    on = dgemma.SamplingConfig(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    on = dgemma.SamplingConfig(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4,
+                               refresh_share=0.2, refresh_order="random", settle_on="model")
     written = on.to_hf_dict()
-    assert written["dgemma"] == dict(step_cache=True, settle_steps=3, settle_probability=0.95, cache_refresh=4)
+    assert written["dgemma"] == dict(step_cache=True, settle_steps=3, settle_probability=0.95, settle_on="model",
+                                     cache_refresh=4, refresh_share=0.2, refresh_order="random")
     model = dgemma.DiffusionGemma(dgemma.get_preset("tiny"), on)
     dgemma.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "generation_config.json").read_text())["dgemma"] == written["dgemma"]
     loaded = dgemma.load_model(tmp_path).sampling_config
-    assert (loaded.step_cache, loaded.settle_steps, loaded.settle_probability, loaded.cache_refresh) == (
-        True, 3, 0.95, 4)
+    assert (loaded.step_cache, loaded.settle_steps, loaded.settle_probability, loaded.cache_refresh,
+            loaded.refresh_share, loaded.refresh_order, loaded.settle_on) == (True, 3, 0.95, 4, 0.2, "random", "model")
     with pytest.raises(dgemma.ConfigError, match="settle_probability"):
         dgemma.SamplingConfig(settle_probability=1.5)
+    with pytest.raises(dgemma.ConfigError, match="refresh_order"):
+        dgemma.SamplingConfig(refresh_order="newest")
+    # what training wrote in the section stays through a save; the step cache's keys follow the sampler's settings
+    note = {"cache_aware_training": {"probability": 0.5, "settle": 0.9}}
+    model.hf_generation_config = {"dgemma": {**written["dgemma"], **note}}
+    model.sampling_config = dgemma.SamplingConfig()  # the cache off again: its keys go, the note stays
+    dgemma.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["dgemma"] == note
 
 
 def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path):
@@ -207,8 +306,10 @@ def test_the_flags_reach_the_sampling_config_and_ar_is_refused(capsys, tmp_path)
     p = argparse.ArgumentParser()
     add_sampling_arguments(p)
     args = p.parse_args(["--step-cache", "on", "--settle-steps", "3", "--settle-probability", "0.9",
-                         "--cache-refresh", "4"])
-    assert step_cache_overrides(args) == dict(step_cache=True, settle_steps=3, settle_probability=0.9, cache_refresh=4)
+                         "--cache-refresh", "4", "--refresh-share", "0.1", "--refresh-order", "oldest",
+                         "--settle-on", "model"])
+    assert step_cache_overrides(args) == dict(step_cache=True, settle_steps=3, settle_probability=0.9, cache_refresh=4,
+                                              refresh_share=0.1, refresh_order="oldest", settle_on="model")
     assert step_cache_overrides(p.parse_args([]))["step_cache"] is None  # the model's setting
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--ar", "--step-cache", "on"]) == 2
     assert "--step-cache works with the diffusion samplers, not with --ar" in capsys.readouterr().err
@@ -254,6 +355,38 @@ def test_sudoku_engine_equals_the_plain_loop_with_the_cache_on(sudoku_model):
     assert positions_off == [81 * s for r in off for s in r.steps_per_canvas]
     assert sum(r.stats()["decoder_positions"] for r in requests) < 0.5 * sum(positions_off)
     assert engine.decoder_positions == sum(positions_off) + sum(r.stats()["decoder_positions"] for r in requests)
+
+
+RULES = {
+    "settle only": dict(),
+    "periodic": dict(cache_refresh=3),
+    "attention": dict(refresh_share=0.3),
+    "random": dict(refresh_share=0.3, refresh_order="random"),
+    "oldest": dict(refresh_share=0.3, refresh_order="oldest"),
+    "settle on the model's probability": dict(settle_on="model"),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_engine_equals_the_plain_loop_for_every_rule(sudoku_model, rule):
+    """Every refresh rule and settling reading on the sudoku model (whose probabilities are decisive, so float
+    sums that differ in their last bits with a batch's shape settle the same positions): rows of different
+    active counts share each engine step, and each request's tokens, steps and decoder positions are the plain
+    loop's for its puzzle alone, with fewer positions run than whole canvases."""
+    from dgemma.engine import Engine
+    from dgemma.generation import generate
+    from dgemma.tasks import sudoku
+    from dgemma.tasks.sudoku_eval import MAX_LENGTH, sudoku_sampling
+
+    prompts = [sudoku.encode_prompt(sudoku.parse_puzzle(p)) for p in PUZZLES[:3]]
+    on = sudoku_sampling(sudoku_model, 0, step_cache=True).replace(**RULES[rule])
+    plain = [generate(sudoku_model, [p], on, seed=30 + i) for i, p in enumerate(prompts)]
+    requests = Engine(sudoku_model, max_batch=3, max_length=MAX_LENGTH).generate(prompts, on, seeds=[30, 31, 32])
+    for p, r in zip(plain, requests):
+        assert (r.tokens, r.steps_per_canvas) == (p.tokens[0], p.steps_per_canvas[0])
+        assert r.stats()["decoder_positions"] == p.decoder_positions[0]
+    assert sum(r.stats()["decoder_positions"] for r in requests) < sum(
+        r.stats()["whole_canvas_positions"] for r in requests)
 
 
 def test_an_int8_model_with_the_prefix_cache_and_the_step_cache_gives_the_plain_loops_tokens():

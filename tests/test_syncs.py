@@ -210,3 +210,21 @@ def test_sampler_halves_equal_the_whole_step():
     assert 0 < int(scanned.drawn.sum()) < 32
     for name in ("canvas", "argmax", "entropy", "accepted"):
         assert torch.equal(getattr(whole, name), getattr(halves, name)), name
+
+
+def test_an_engine_step_with_the_step_cache_reads_its_active_counts_once_more(model, monkeypatch):
+    """With the step cache on (settling, the attention-targeted refresh): every step reads the device twice,
+    the step's read and the rows' active counts (how many positions each row runs, and which
+    positions the packed forward runs: `nonzero_static`); nothing is read undeclared, and the tokens are those of
+    each request run alone."""
+    s = _sampling(step_cache=True, settle_steps=1, settle_probability=0.0, refresh_share=0.3)  # a random model: no bar
+    engine = Engine(model, max_batch=2, max_length=256)
+    requests, per_step = _run_counting(engine, PROMPTS, s, monkeypatch)
+    assert [undeclared for undeclared, _ in per_step] == [[]] * len(per_step)
+    assert [reads for _, reads in per_step] == [{"step": 1, "step cache: active positions": 1}] * len(per_step)
+    positions = [r.stats()["decoder_positions"] for r in requests]
+    assert sum(positions) < sum(r.stats()["whole_canvas_positions"] for r in requests)  # some settled
+    for i, (p, r) in enumerate(zip(PROMPTS, requests)):
+        alone = generate(model, [p], s, seed=100 + i)
+        assert r.tokens == alone.tokens[0] and r.steps_per_canvas == alone.steps_per_canvas[0]
+        assert r.stats()["decoder_positions"] == alone.decoder_positions[0]

@@ -487,3 +487,47 @@ def test_sudoku_augmentation_draws_a_fresh_valid_symmetry_per_example_and_step(t
         read_examples(other, ExampleStream(4, 0), [0], augment="sudoku")
     with pytest.raises(ConfigError, match="--augment must be one of sudoku"):
         task_config(tmp_path, "x", augment="rotate").check(1)
+
+
+def test_cache_aware_pass_reads_what_the_step_cache_hands_over():
+    """--cache-aware: pass 2's logits at the positions it computes are generation's with the step cache: the
+    earlier canvas denoised twice into a generation cache's canvas slots (no signal, then self-conditioned),
+    its sure positions settled, then only the others run (`decode_active`), reading the settled ones' kept
+    keys/values; the loss is the mean over the positions that run."""
+    from dgemma.model.packing import PackedPositions
+    from dgemma.training.objective import corrupt
+
+    torch.manual_seed(0)
+    model = dgemma.DiffusionGemma(dgemma.get_preset("tiny")).eval()  # window 8, canvas 16, vocab 128
+    r = random.Random(2)
+    examples = [Example([r.randrange(3, 128) for _ in range(p)], [r.randrange(3, 128) for _ in range(16)])
+                for p in (5, 9, 3)]
+    batch = collate(examples, [0, 1, 2], canvas_length=16, pad_id=0, eos_id=1)
+    noise = draw_noise(batch, run_seed=3, canvas_length=16, vocab_size=128, eps=1e-3, self_cond_prob=1.0,
+                       cache_aware=1.0)
+    noise.stale = torch.tensor([True, True, False])
+    want, settle = [], None
+    for b, ex in enumerate(examples):
+        p = len(ex.prompt)
+        clean = batch.input_ids[b, p : p + 16]
+        noisy = corrupt(clean, noise.replace[b], noise.random_tokens[b])
+        earlier = torch.where(noise.earlier_replace[b], noise.earlier_tokens[b], clean)
+        with torch.no_grad():
+            gen = model.new_cache(1, p + 16)
+            model.encode(batch.input_ids[b : b + 1, :p], gen)
+            first = model.denoise(noisy[None], gen)  # pass 1 on x_t: the self-conditioning of pass 2
+            computed = torch.ones(1, 16, dtype=torch.bool)
+            if noise.stale[b]:  # the earlier canvas's steps write its entries into the canvas slots
+                e1 = model.denoise(earlier[None], gen)
+                top = model.denoise(earlier[None], gen, self_conditioning=PreviousStep.from_logits(e1)).softmax(
+                    -1).amax(-1)
+                if settle is None:  # a random model is never sure: half of the first row settles
+                    settle = top.median().item() + 1e-6
+                computed = top < settle
+            pack = PackedPositions.from_mask(computed)
+            logits = model.decode_active(noisy[None], gen, pack, self_conditioning=PreviousStep.from_logits(first))
+        assert 0 < pack.total <= 16
+        want.append(F.cross_entropy(logits, clean[computed[0]]).item())
+    with torch.no_grad():
+        got = diffusion_losses(model, batch, noise, encoder_loss_weight=0.0, cache_aware_settle=settle)
+    assert got.diffusion.tolist() == pytest.approx(want, abs=1e-4)

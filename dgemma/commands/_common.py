@@ -7,7 +7,8 @@ import contextlib
 import math
 import sys
 
-from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, SAMPLER_SETTINGS, SAMPLERS, settings_not_read
+from dgemma.config import ACCEPT_ORDERS, CORRECTOR_SELECTIONS, REFRESH_ORDERS, SAMPLER_SETTINGS, SAMPLERS, SETTLE_ON
+from dgemma.config import settings_not_read
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -170,7 +171,9 @@ def maybe_compile(args, model, shape: str | None = None, *, announce: bool = Tru
     if announce and getattr(getattr(args, "tp", None), "rank", 0) == 0:
         if getattr(args, "dtype_choice", None) is not None:
             print(f"dtype: {args.dtype_choice}", file=sys.stderr, flush=True)
-        print(f"step: {choice}", file=sys.stderr, flush=True)
+        cache_on = {"on": True, "off": False}.get(getattr(args, "step_cache", None), model.sampling_config.step_cache)
+        packed = "; the step cache's steps eager" if choice and cache_on else ""
+        print(f"step: {choice}{packed}", file=sys.stderr, flush=True)
     if choice:
         compile_model(model, compile_mode(args, model), shape=shape)
     return model
@@ -285,16 +288,29 @@ def add_step_cache_arguments(g):
     g.add_argument("--settle-steps", type=positive_int, default=None,
                    help="steps a position's argmax must stay the same before it settles (default 2)")
     g.add_argument("--settle-probability", type=probability, default=None,
-                   help="the tempered top probability a position needs to settle (default 0.99)")
+                   help="the top probability a position needs to settle (default 0.99)")
+    g.add_argument("--settle-on", choices=SETTLE_ON, default=None,
+                   help="read that probability at the step's temperature (tempered, the default) or the model's own")
     g.add_argument("--cache-refresh", type=non_negative_int, default=None, metavar="R",
                    help="recompute every position every R-th step (default 0: never)")
+    g.add_argument("--refresh-share", type=probability, default=None, metavar="P", help="each step also recompute "
+                   "the settled positions holding this share of the attention on settled ones (default 0: none)")
+    g.add_argument("--refresh-order", choices=REFRESH_ORDERS, default=None, help="which ones --refresh-share "
+                   "recomputes: the most attended (the default), or as many random or longest-kept ones")
 
 
 def step_cache_overrides(args) -> dict:
     """`add_step_cache_arguments`' values as `SamplingConfig.replace` keywords (None keeps the model's)."""
     on = {"on": True, "off": False}.get(args.step_cache)
     return dict(step_cache=on, settle_steps=args.settle_steps, settle_probability=args.settle_probability,
-                cache_refresh=args.cache_refresh)
+                settle_on=args.settle_on, cache_refresh=args.cache_refresh, refresh_share=args.refresh_share,
+                refresh_order=args.refresh_order)
+
+
+def decoder_positions_text(stats: dict) -> str:
+    """A request's "N of M decoder positions (x%)": M is what whole canvases at every step would have run."""
+    done, whole = stats["decoder_positions"], stats["whole_canvas_positions"]
+    return f"{done:,} of {whole:,} decoder positions ({done / max(whole, 1):.0%})"
 
 
 def refuse_sampler_flags_with_ar(args):

@@ -18,6 +18,7 @@ from dgemma.commands._common import (
     add_prefix_cache_arguments,
     add_sampling_arguments,
     agree,
+    decoder_positions_text,
     image_usage_errors,
     load_from_args,
     open_images,
@@ -169,6 +170,9 @@ def run(args):
             engine.run_until_done([request])
         reply = printer.finish()
         out.print()
+        if budget.step_cache:
+            console.print(f"[{decoder_positions_text(request.stats())} with the step cache]", style="dim",
+                          markup=False, highlight=False)
         messages.append({"role": "assistant", "content": reply})
         last = (prompt, prompt_text, None if printer.thought else request.tokens)
         turn += 1

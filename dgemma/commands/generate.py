@@ -20,6 +20,7 @@ from dgemma.commands._common import (
     open_images,
     prefix_cache_bytes,
     read_prompt,
+    decoder_positions_text,
     refuse_sampler_flags_with_ar,
     sampling_from_args,
     with_images,
@@ -137,8 +138,9 @@ def run(args):
                           **stats}))
     else:
         print()
+        saved = f"{decoder_positions_text(stats)} with the step cache, " if request.sampling.step_cache else ""
         print(f"[{len(request.tokens)} tokens, {stats['canvases']} canvases, steps {stats['steps_per_canvas']}, "
-              f"{stats['tokens_per_forward']:.1f} tokens/forward, {stats['tokens_per_second']:.1f} tokens/s, "
+              f"{stats['tokens_per_forward']:.1f} tokens/forward, {saved}{stats['tokens_per_second']:.1f} tokens/s, "
               f"finish: {request.finish_reason}]", file=sys.stderr)
     return 0
 

@@ -16,6 +16,7 @@ from dgemma.commands._common import (
     sampling_with_overrides,
     maybe_compile,
     plot_file,
+    decoder_positions_text,
     refuse_sampler_flags_with_ar,
 )
 from dgemma.tasks.sudoku_models import SHIPPED, SHIPPED_AR
@@ -190,8 +191,9 @@ def _solve(args):
     grid = answer_grid(request.tokens)
     console.print(sudoku.format_grid(grid))
     stats = request.stats()
-    console.print(f"{stats['denoising_steps']} denoising steps, {stats['tokens_per_forward']:.1f} cells per forward, "
-                  f"{stats['elapsed_s']:.2f} s")
+    saved = f", {decoder_positions_text(stats)} with the step cache" if sampling.step_cache else ""
+    console.print(f"{stats['denoising_steps']} denoising steps, {stats['tokens_per_forward']:.1f} cells per forward"
+                  f"{saved}, {stats['elapsed_s']:.2f} s")
     if args.rounds > 1 or args.candidates > 1:
         console.print(f"search: {'accepted' if found['accepted'] else 'not accepted'} in round {found['rounds']}"
                       + (f" of candidate {found['candidate']}" if args.candidates > 1 else "")

@@ -18,8 +18,19 @@ SAMPLERS = ("entropy-bound", "block-refinement", "ddim")
 # How a DDIM corrector sweep picks the positions it draws again, least confident first (dgemma.sampling.ddim).
 CORRECTOR_SELECTIONS = ("lowest_log_margin", "lowest_maxprob", "lowest_current_prob", "random")
 
+# Which settled positions the step cache recomputes each step, as many as hold `refresh_share` of the attention
+# the computed positions put on settled ones (dgemma.generation.step_cache): the most attended ("attention"),
+# or, as controls at the same count, random ones or the longest kept.
+REFRESH_ORDERS = ("attention", "random", "oldest")
+
+# What a position's top probability is read at when it settles: the step's temperature (the sampler's) or the
+# model's own (temperature 1), which settles confident positions in the hot first steps of a schedule.
+SETTLE_ON = ("tempered", "model")
+
+
 # dgemma's own settings, kept in generation_config.json's "dgemma" section, one group at a time
-STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "cache_refresh")
+STEP_CACHE_KEYS = ("step_cache", "settle_steps", "settle_probability", "settle_on", "cache_refresh", "refresh_share",
+                   "refresh_order")
 SAMPLER_KEYS = ("sampler", "temperature", "commit_threshold", "editing_threshold", "corrector_steps", "corrector_k",
                 "corrector_selection", "corrector_selection_tau")
 # the settings each sampler reads besides max_denoising_steps (every sampler's decoder forwards per canvas)
@@ -64,12 +75,17 @@ class SamplingConfig:
     # highest top-1 probability; the entropy bound applies to each order's uncertainty (dgemma.sampling)
     accept_order: str = "entropy"
     # the step cache (dgemma.generation.step_cache): settled positions are not recomputed; a position settles
-    # after `settle_steps` steps with the same argmax at tempered top probability >= `settle_probability`;
-    # every `cache_refresh`-th step recomputes all (0: never). Off by default: it trades quality for compute.
+    # after `settle_steps` steps with the same argmax at top probability >= `settle_probability` (at the step's
+    # temperature, or the model's own: `settle_on`); every `cache_refresh`-th step recomputes all (0: never),
+    # and every step also the settled positions holding `refresh_share` of the attention (0: none), chosen by
+    # `refresh_order`. Off by default: it trades quality for compute, except on models trained to read it.
     step_cache: bool = False
     settle_steps: int = 2
     settle_probability: float = 0.99
+    settle_on: str = "tempered"
     cache_refresh: int = 0
+    refresh_share: float = 0.0
+    refresh_order: str = "attention"
     # which sampler turns a step's logits into the next canvas (dgemma.sampling.samplers): "entropy-bound" (the
     # model's own: entropy_bound, t_min/t_max, accept_order), "block-refinement" or "ddim" (diffusers'
     # BlockRefinementScheduler and DiscreteDDIMScheduler); max_denoising_steps is each one's forwards per canvas
@@ -95,6 +111,10 @@ class SamplingConfig:
             (self.settle_steps >= 1, "settle_steps must be >= 1"),
             (0 <= self.settle_probability <= 1, "settle_probability must be in [0, 1]"),
             (self.cache_refresh >= 0, "cache_refresh must be >= 0 (0: never)"),
+            (0 <= self.refresh_share <= 1, "refresh_share must be in [0, 1]"),
+            (self.refresh_order in REFRESH_ORDERS,
+             f"refresh_order must be one of {', '.join(REFRESH_ORDERS)}, not {self.refresh_order!r}"),
+            (self.settle_on in SETTLE_ON, f"settle_on must be one of {', '.join(SETTLE_ON)}, not {self.settle_on!r}"),
             (self.accept_order in ACCEPT_ORDERS,
              f"accept_order must be one of {', '.join(ACCEPT_ORDERS)}, not {self.accept_order!r}"),
             (self.sampler in SAMPLERS, f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}"),

@@ -50,7 +50,7 @@ from dgemma.engine.scoring import SCORE_CHUNK_TOKENS, ScoringBatch
 from dgemma.engine.search import Search
 from dgemma.generation.canvas import columns_left, cut_at_eos, pad_after_eos_host, positions_needed, template_slice
 from dgemma.generation.denoising import CanvasDenoising
-from dgemma.generation.step_cache import packed_step
+from dgemma.generation.step_cache import active_counts, packed_step
 from dgemma.generation.verify import check_search, next_template, rejected_positions, verifiers_for
 from dgemma.sampling import seed_or_random
 from dgemma.sampling.sampler import scan_logits
@@ -397,42 +397,43 @@ class Engine:
                              else torch.zeros_like(result.accepted[0])])
         accepted, edited, corrected = (list(map(bool, row)) for row in host_read(marks, "drafts"))
         tokens = st.argmax_tokens if st.denoising.sampler.commits_argmax else host_read(pending.draft[0], "drafts")
+        cache = st.denoising.step_cache  # with the step cache, the positions this step kept: one more read
+        settled = None if cache is None else list(map(bool, host_read(cache.kept[0], "drafts")))
         return Event("draft", r.request_id, st.canvas_index, step=st.denoising.step_index - 1, tokens=list(tokens),
                      entropy=host_read(result.entropy[0], "drafts"), accepted=accepted, edited=edited,
-                     corrected=corrected, phase="predictor" if result.predictor else "corrector")
+                     corrected=corrected, phase="predictor" if result.predictor else "corrector", settled=settled)
 
     def _step_logits(self, batch: list[Request]) -> list[torch.Tensor]:
-        """Each generating row's logits (1, L, V) for this step: rows without the step cache from one decoder
-        forward over their whole canvases (views of its one big buffer); rows with it from one forward over
-        their active positions, packed (one more host read: how many each row has; dgemma.generation.step_cache)."""
-        out: list[torch.Tensor | None] = [None] * len(batch)
-        whole = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is None]
-        cached = [i for i, r in enumerate(batch) if r.state.denoising.step_cache is not None]
+        """Each generating row's logits (1, L, V): rows without the step cache from one forward over their canvases;
+        rows with it from one packed forward over their active positions (dgemma.generation.step_cache)."""
+        out, L, states = {}, self.canvas_length, [r.state for r in batch]
+        whole = [i for i, st in enumerate(states) if st.denoising.step_cache is None]
+        cached = [i for i, st in enumerate(states) if st.denoising.step_cache is not None]
+        # every position active or not, packed: it writes the keys/values settled positions keep into the canvas slots
+        packed = list(zip(cached, *active_counts([states[i].denoising.step_cache for i in cached],
+                                                 [states[i].denoising.done for i in cached]))) if cached else []
         if whole:
-            logits = self.runner.denoise([batch[i].state.row for i in whole],
-                                         torch.cat([batch[i].state.denoising.canvas for i in whole]),
-                                         [batch[i].state.soft for i in whole])  # (n, L, V)
+            logits = self.runner.denoise([states[i].row for i in whole], torch.cat(
+                [states[i].denoising.canvas for i in whole]), [states[i].soft for i in whole])  # (n, L, V)
             self.forwards += 1
-            for j, i in enumerate(whole):
-                out[i] = logits[j : j + 1]
-                batch[i].state.decoder_positions += self.canvas_length
-        counts = []
-        if cached:
-            states = [batch[i].state for i in cached]
+            out.update({i: logits[j : j + 1] for j, i in enumerate(whole)})
+        if packed:
+            rows = [states[i] for i, _, _ in packed]
 
-            def forward(active, row_counts):
+            def forward(active, row_counts, read):
                 self.forwards += 1
-                return self.runner.denoise_positions([st.row for st in states], torch.cat(
-                    [st.denoising.canvas for st in states]), [st.soft for st in states], active, row_counts)
+                return self.runner.denoise_positions([st.row for st in rows], torch.cat(
+                    [st.denoising.canvas for st in rows]), [st.soft for st in rows], active, row_counts, read)
 
-            step_logits, counts = packed_step([st.denoising.step_cache for st in states],
-                                              [st.denoising.canvas for st in states],
-                                              [st.denoising.done for st in states], forward)
-            for i, st, logits, count in zip(cached, states, step_logits, counts):  # one row a request
-                out[i] = logits
-                st.decoder_positions += count
-        self.decoder_positions += len(whole) * self.canvas_length + sum(counts)
-        return out
+            step_logits = packed_step([st.denoising.step_cache for st in rows], [st.denoising.canvas for st in rows],
+                                      [active for _, active, _ in packed], [c for _, _, c in packed], forward)
+            out.update({i: logits for (i, _, _), logits in zip(packed, step_logits)})  # one row a request
+        ran = dict.fromkeys(range(len(batch)), L) | {i: count for i, _, count in packed}
+        for i, st in enumerate(states):
+            st.decoder_positions += ran[i]
+            st.whole_canvas_positions += L
+        self.decoder_positions += sum(ran.values())
+        return [out[i] for i in range(len(batch))]
 
     def _commit(self, requests: list[Request]):
         """Commit finished canvases, from their argmax tokens already on the host (no read here)."""

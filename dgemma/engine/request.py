@@ -42,6 +42,7 @@ class Event:
     edited: list[bool] | None = None  # "draft": per position, a committed token block refinement replaced
     corrected: list[bool] | None = None  # "draft": per position, redrawn by a DDIM corrector sweep
     phase: str = "predictor"  # "draft": "predictor" (a denoising step) or "corrector" (a DDIM corrector sweep)
+    settled: list[bool] | None = None  # "draft", with the step cache: positions this step kept instead of running
     finish_reason: str | None = None  # "finished": "stop" | "length" | "cancelled" | "scored"
 
 
@@ -92,6 +93,7 @@ class GenerationState(RequestState):
     steps_per_canvas: list[int] = field(default_factory=list)
     forward_passes: int = 0
     decoder_positions: int = 0  # canvas positions run through the decoder (fewer with the step cache)
+    whole_canvas_positions: int = 0  # what whole canvases at every step would have run (decoder_positions' bar)
     committed_non_pad: int = 0
     t_first_canvas: float | None = None
 
@@ -178,6 +180,7 @@ class Request(_Outcome):
             "denoising_steps": sum(st.steps_per_canvas),
             "tokens_per_forward": st.committed_non_pad / st.forward_passes if st.forward_passes else 0.0,
             "decoder_positions": st.decoder_positions,
+            "whole_canvas_positions": st.whole_canvas_positions,
             "time_to_first_canvas_s": (st.t_first_canvas - st.t_submit) if st.t_first_canvas else None,
             "cached_prompt_tokens": st.cached_tokens,
             "elapsed_s": elapsed,

@@ -215,16 +215,19 @@ class Runner:
 
     @torch.no_grad()
     def denoise_positions(self, rows: list[int], canvases: torch.Tensor, softs: list[torch.Tensor | None],
-                          active: torch.Tensor, counts: list[int]) -> torch.Tensor:
+                          active: torch.Tensor, counts: list[int], read: torch.Tensor | None = None) -> torch.Tensor:
         """The step cache's forward: only the `active` (n, L) positions of the rows' canvases (n, L) run (counts:
         each row's, on the host; softs as `denoise`) -> their logits (N, V), packed row after row
-        (`PackedPositions.from_mask`). With aligned spans one forward a row, as `denoise`."""
+        (`PackedPositions.from_mask`); `read` (n, L), if given, collects the attention on each canvas position
+        (`DiffusionGemma.decode_active`). With aligned spans one forward a row, as `denoise`."""
         if self.span_tokens and len(rows) > 1:
             return torch.cat([self.denoise_positions([row], canvases[i : i + 1], softs[i : i + 1], active[i : i + 1],
-                                                     counts[i : i + 1]) for i, row in enumerate(rows) if counts[i]])
+                                                     counts[i : i + 1], None if read is None else read[i : i + 1])
+                              for i, row in enumerate(rows) if counts[i]])
         with self._adapters(rows):
             return self.model.decode_active(canvases, self.cache, PackedPositions.from_mask(active, counts),
-                                            self_conditioning=self._previous(softs, canvases.shape[1]), rows=rows)
+                                            self_conditioning=self._previous(softs, canvases.shape[1]), rows=rows,
+                                            read=read)
 
     def _previous(self, softs: list[torch.Tensor | None], length: int) -> PreviousStep | None:
         """The rows' self-conditioning embeddings softs[i] (L, H) or None as one `PreviousStep` (n, L, H): rows at

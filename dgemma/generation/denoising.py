@@ -27,7 +27,7 @@ from dgemma.config import SamplingConfig
 from dgemma.device_sync import host_read
 from dgemma.generation.step_cache import StepCache
 from dgemma.sampling import adaptive_stop, new_argmax_history, random_tokens
-from dgemma.sampling.sampler import ScannedStep, scan_logits
+from dgemma.sampling.sampler import ScannedStep, scan_logits, temperature_schedule
 from dgemma.sampling.samplers import canvas_sampler
 
 
@@ -42,6 +42,7 @@ class PendingStep:
     # where it holds a prediction and the argmax elsewhere; a stopped row: its draft when it stopped
     draft: torch.Tensor
     candidate: torch.Tensor  # (B, L) long: what the canvas commits if it ends with this step
+    temperature: float = 1.0  # the entropy-bound sampler's step temperature: `probs` are at it
 
     @property
     def drawn_count(self) -> torch.Tensor:
@@ -79,7 +80,7 @@ class CanvasDenoising:
         self.step_index = 0  # steps run on this canvas
         self.history = new_argmax_history(sampling.stability_threshold, *shape, device)
         self.chosen: dict[int, torch.Tensor] = {}  # constrained rows: the (L,) canvas each commits
-        self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device)
+        self.step_cache = (StepCache(sampling, batch_size, canvas_length, vocab_size, device, generator)
                            if sampling.step_cache else None)
         self.sampler = canvas_sampler(sampling, batch_size, canvas_length, vocab_size, device, fixed=fixed,
                                       fixed_tokens=fixed_tokens)
@@ -127,7 +128,9 @@ class CanvasDenoising:
             ends = stop & ~self.done if not s.fixed_steps else torch.zeros_like(stop)
             candidate = torch.where(self.done[:, None], self.canvas,
                                     torch.where(ends[:, None], self.argmax, scanned.canvas))
-        return PendingStep(scanned, logits, stop, draft, candidate)
+        temperature = (temperature_schedule(self.step_index, s.max_denoising_steps, s.t_min, s.t_max)
+                       if s.sampler == "entropy-bound" else 1.0)
+        return PendingStep(scanned, logits, stop, draft, candidate, temperature)
 
     def advance(self, pending: PendingStep, stop_rows: list[int], drawn: int) -> ScannedStep:
         """Draw the samples (`drawn` positions in all, as read with `stop_rows`), re-noise the rest, let
@@ -146,7 +149,8 @@ class CanvasDenoising:
         if not result.predictor:
             return result
         if self.step_cache is not None:
-            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done)
+            self.step_cache.settle(pending.scanned.argmax, pending.probs, result.drawn, self.canvas, self.done,
+                                   pending.temperature)
         if not self.sampling.fixed_steps:
             if not self.sampler.commits_argmax:  # a row the stop rule ends commits its draft, as its canvas
                 self.canvas = torch.where((pending.stop & ~self.done)[:, None], self.argmax, self.canvas)

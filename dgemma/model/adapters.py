@@ -6,7 +6,9 @@ forward over rows r1..rn adds, per row, scale[a] * B[a] @ A[a] x for that row's 
     y = base(x) + ((x @ A[ids]^T) @ B[ids]^T) * scale[ids]      x (n, T, in), A (N+1, r, in), B (N+1, out, r)
 
 The rows' adapter ids are set by the engine's runner around each forward (`AdapterRows`); outside one
-(None) the layer is its base. Adapters of different ranks are zero-padded to the largest. Reading and
+(None) the layer is its base. A packed forward (the step cache's, x (1, N, in) holding the active positions of
+the n rows, `DiffusionGemma.decode_active`) also says each position's row (`AdapterRows.packed`), and every
+position takes its row's adapter. Adapters of different ranks are zero-padded to the largest. Reading and
 writing PEFT's adapter folders: `dgemma.weights.peft`.
 """
 
@@ -41,10 +43,12 @@ class Adapter:
 
 
 class AdapterRows:
-    """The adapter index of each row of the forward being run, (n,) long on the model's device, or None."""
+    """The adapter index of each row of the forward being run, (n,) long on the model's device, or None; in a
+    packed forward also each packed position's row, `row_of` (N,)."""
 
     def __init__(self):
         self.ids: torch.Tensor | None = None
+        self.row_of: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def set(self, ids: torch.Tensor | None):
@@ -53,6 +57,14 @@ class AdapterRows:
             yield
         finally:
             self.ids = None
+
+    @contextlib.contextmanager
+    def packed(self, row_of: torch.Tensor):
+        self.row_of = row_of
+        try:
+            yield
+        finally:
+            self.row_of = None
 
 
 def _dtype_and_device(base: nn.Module) -> tuple[torch.dtype, torch.device]:
@@ -89,8 +101,18 @@ class RowLoRALinear(nn.Module):
         ids = self.rows.ids
         if ids is None:
             return y
+        if self.rows.row_of is not None:  # x (1, N, in): packed positions, each with its row's adapter
+            return y + self._packed(x[0], ids[self.rows.row_of])[None]
         low = torch.matmul(torch.matmul(x, self.A[ids].transpose(1, 2)), self.B[ids].transpose(1, 2))  # (n, T, out)
         return y + low * self.scale[ids][:, None, None]
+
+    def _packed(self, x: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """x (N, in), own (N,) each position's adapter -> (N, out): every adapter's A on every position (one matmul
+        of (N+1) r columns, small beside the base layer's), each position's own kept and scaled, then B."""
+        stacked, rank, _ = self.A.shape
+        low = (x @ self.A.reshape(stacked * rank, -1).T).view(-1, stacked, rank)  # (N, adapters, r)
+        keep = torch.nn.functional.one_hot(own, stacked).to(x.dtype) * self.scale  # (N, adapters)
+        return (low * keep[:, :, None]).flatten(1) @ self.B.transpose(1, 2).reshape(stacked * rank, -1)
 
 
 def install_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterRows:

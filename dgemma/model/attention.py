@@ -87,6 +87,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
+def attention_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   valid: torch.Tensor, chunk_elements: int = SCORE_CHUNK_ELEMENTS):
+    """`attention`, written out so that its weights are seen: q (B, Hq, T, D), k/v (B, Hkv, S, D), mask
+    (B, 1, T, S) bool or None, valid (B, T) bool the queries that count -> out (B, Hq, T, D) and read (B, S)
+    fp32, the attention weight each key receives, summed over the heads and the valid queries (the step cache's
+    attention-targeted refresh, dgemma.generation.step_cache). A block of queries at a time past the budget."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    out = q.new_empty(B, Hq, T, v.shape[-1])
+    read = torch.zeros(B, S, dtype=torch.float32, device=q.device)
+    rows = max(1, chunk_elements // (B * Hq * S))
+    for a in range(0, T, rows):
+        t = min(rows, T - a)
+        qa = q[:, :, a : a + t].reshape(B, Hkv, group * t, D)  # the heads sharing a KV head, as one
+        scores = (qa @ k.transpose(-1, -2)).float()  # (B, Hkv, group * t, S)
+        if mask is not None:
+            block = mask[:, :, a : a + t]  # (B, 1, t, S), the same for every head
+            scores = scores.masked_fill(~block.repeat(1, 1, group, 1), float("-inf"))
+        weights = scores.softmax(dim=-1)
+        out[:, :, a : a + t] = (weights.to(v.dtype) @ v).view(B, Hq, t, v.shape[-1])
+        counted = valid[:, a : a + t].repeat(1, group).to(weights.dtype)  # (B, group * t)
+        read += torch.einsum("bhqs,bq->bs", weights, counted)
+    return out, read
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks (pure functions of positions)
 # ---------------------------------------------------------------------------------------------

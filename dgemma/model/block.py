@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from dgemma.config import ModelConfig
-from dgemma.model.attention import apply_rope, attention
+from dgemma.model.attention import apply_rope, attention, attention_read
 from dgemma.model.experts import Experts
 from dgemma.model.layers import FusedLinears, GatedMLP, RMSNorm, fused_inside_graphs
 from dgemma.model.packing import PackedPositions
@@ -69,12 +69,15 @@ class Attention(nn.Module):
         cos, sin = (t.transpose(1, 2) for t in key_rope)  # (B, 1, S, D) for the (B, Hkv, S, D) layout
         return apply_rope(self.k_norm(k), cos, sin), self.v_norm(k)
 
-    def attend(self, q, k, v, mask: torch.Tensor | None, pack: PackedPositions | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: torch.Tensor | None, pack: PackedPositions | None = None,
+               read: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, T, D), k/v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (all visible) -> (B, T, H).
 
         With `pack` (the step cache's packed positions): q (1, Hq, N, D) holds the N packed queries of n rows,
         k/v (n, Hkv, S, D) and mask (n, 1, L, S) (a canvas mask: its query rows are all alike) are per row;
-        each bucket of rows with similar active counts attends together (`PackedPositions`) -> (1, N, H)."""
+        each bucket of rows with similar active counts attends together (`PackedPositions`) -> (1, N, H).
+        `read` (n, L) fp32, with `pack`: each canvas slot's attention weight from the packed queries, summed over
+        heads, is added to it (`attention_read`)."""
         if pack is None:
             out = attention(q, k, v, mask)  # a block of queries at a time past a score budget
             B, _, T, _ = q.shape
@@ -86,7 +89,15 @@ class Attention(nn.Module):
             qg = q[0][:, tokens].transpose(0, 1)  # (g, Hq, A, D)
             kg, vg = (k, v) if whole else (k[members], v[members])
             mg = None if mask is None else (mask if whole else mask[members])[:, :, :size]
-            out[:, tokens] = attention(qg, kg, vg, mg).transpose(0, 1)
+            if read is None:
+                out[:, tokens] = attention(qg, kg, vg, mg).transpose(0, 1)
+                continue
+            # a row's queries past its count repeat its last one (PackedPositions): they do not count twice
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            valid[:, 1:] = tokens[:, 1:] != tokens[:, :-1]
+            attended, weights = attention_read(qg, kg, vg, mg, valid)
+            out[:, tokens] = attended.transpose(0, 1)
+            read.index_add_(0, members, weights[:, : read.shape[1]])  # the canvas slots come first
         return self.o_proj(out.transpose(0, 1).reshape(1, q.shape[2], self.num_heads * self.head_dim))
 
 
@@ -143,16 +154,18 @@ class Block(nn.Module):
         routed = self.post_feedforward_layernorm_2(routed)
         return x + self.post_feedforward_layernorm(dense + routed)
 
-    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool, pack: PackedPositions | None = None):
+    def forward(self, x, rope, key_rope, mask, place_entries, *, encoder: bool, pack: PackedPositions | None = None,
+                read: torch.Tensor | None = None):
         """rope: cos, sin (B, T, 1, D) of the new tokens; key_rope: the same for every key (full layers).
         `place_entries(k, v)` puts this block's own cache entries among the cached ones (the encoder:
         after the prefix; the decoder: the canvas before it) in the order `mask` and `key_rope` expect.
-        `pack`: x (1, N, H) holds packed canvas positions of several rows (`DiffusionGemma.decode_active`).
+        `pack`: x (1, N, H) holds packed canvas positions of several rows (`DiffusionGemma.decode_active`), and
+        `read` (n, L) collects the attention they put on each canvas slot (`Attention.attend`).
         Returns the new residual and this block's own entries k, v (v None on full layers)."""
         q, k, v = self.self_attn.project(self.input_layernorm(x), *rope)
         keys, values = self.self_attn.keys_values(*place_entries(k, v), key_rope)
         attended = self.self_attn.attend(q, keys, values, mask) if pack is None else self.self_attn.attend(
-            q, keys, values, mask, pack=pack)
+            q, keys, values, mask, pack=pack, read=read)
         x = x + self.post_attention_layernorm(attended)
         scalar = self.encoder_layer_scalar if encoder else self.layer_scalar
         return self.feed_forward(x) * scalar, k, v

@@ -10,6 +10,7 @@ Shapes: B batch, T new tokens, L canvas length, S cached slots, H hidden, V voca
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -167,10 +168,9 @@ class DiffusionGemma(nn.Module):
 
     def step_cache_refusal(self, adapter: int = 0) -> str | None:
         """Why this model cannot run the step cache's packed step (`decode_active`) for rows of LoRA adapter
-        `adapter` (0: the base model), or None: the one rule the engine, the server and the commands ask. A
-        step-cache forward holds step-cache rows alone, so base-model rows take it on a model serving adapters."""
-        if adapter and self.adapter_rows is not None:
-            return "the step cache does not work with LoRA adapters yet"
+        `adapter` (0: the base model), or None: the one rule the engine, the server and the commands ask. Every
+        model runs it (served LoRA adapters per packed position, a split model with its attention read summed
+        over the ranks); a subclass that cannot says why here."""
         return None
 
     def new_cache(self, batch_size: int, max_length: int, *, keep_all: bool = False, device=None, dtype=None):
@@ -420,7 +420,8 @@ class DiffusionGemma(nn.Module):
         return x if return_hidden else self.head(x)
 
     def decode_active(self, canvas_ids: torch.Tensor, cache: KVCache, pack: PackedPositions, *,
-                      self_conditioning: PreviousStep | None = None, rows=None, return_hidden: bool = False):
+                      self_conditioning: PreviousStep | None = None, rows=None, return_hidden: bool = False,
+                      read: torch.Tensor | None = None):
         """The step cache's decoder step: only the packed positions `pack` of the canvases canvas_ids (n, L)
         run through the layers, the experts and the LM head -> their logits (N, V) fp32 (or hidden (N, H)).
 
@@ -430,6 +431,10 @@ class DiffusionGemma(nn.Module):
         they were last computed. With every position active this is `denoise` (the same numbers, up to the
         order of float sums). Eager only (a compiled model runs this eagerly); not on every model
         (`step_cache_refusal`).
+        `read` (n, L) fp32: the attention weight the packed positions put on each canvas slot in every layer
+        after the first is added to it (summed over heads and positions; the first layer's keys/values depend
+        on a position's own token alone, so a settled one's are never stale). The step cache's
+        attention-targeted refresh reads it.
         """
         adapted = self.adapter_rows is not None and self.adapter_rows.ids is not None  # rows of adapters in this forward
         refusal = self.step_cache_refusal(int(adapted))
@@ -442,12 +447,22 @@ class DiffusionGemma(nn.Module):
             ("canvas", L), rows, lambda: self._canvas_tables(cache, cache.lengths(rows), L, rows, True))
         packed_rope = {s: tuple(t[pack.row_of, pack.index][None] for t in rope[s]) for s in rope}  # (1, N, 1, D)
         soft = self.self_conditioning_signal(self_conditioning, pack)  # (1, N, H) or None
-        x = self.self_conditioning(self.embed(pack.gather(canvas_ids)[None]), soft)  # (1, N, H)
-        for i, block in enumerate(self.layers):
-            s = block.self_attn.sliding
-            x, _, _ = block(x, packed_rope[s], key_rope[s], masks[s], partial(cache.place_active_in_slots, i, rows, pack),
-                            encoder=False, pack=pack)
+        adapters = self.adapter_rows
+        packed = adapters.packed(pack.row_of) if adapters is not None else contextlib.nullcontext()
+        with packed:  # served LoRA adapters: each packed position takes its row's
+            x = self.self_conditioning(self.embed(pack.gather(canvas_ids)[None]), soft)  # (1, N, H)
+            for i, block in enumerate(self.layers):
+                s = block.self_attn.sliding
+                x, _, _ = block(x, packed_rope[s], key_rope[s], masks[s],
+                                partial(cache.place_active_in_slots, i, rows, pack), encoder=False, pack=pack,
+                                read=read if i else None)
+        if read is not None:
+            self.gather_read(read)
         return x[0] if return_hidden else self.head(x[0])
+
+    def gather_read(self, read: torch.Tensor):
+        """`decode_active`'s attention read (n, L), in place: whole here (a split model sums its ranks' heads)."""
+        return None
 
     def _canvas_tables(self, cache: KVCache, prefix_length: torch.Tensor, L: int, rows, at_cache_lengths=False):
         """For a canvas at prefix_length (B,) .. + L - 1, per layer kind: RoPE tables of the canvas, of

@@ -55,8 +55,9 @@ class SplitAttention(Attention):
 
     tp: TensorParallel
 
-    def attend(self, q, k, v, mask, pack=None):
-        return self.tp.all_reduce(super().attend(q, k, v, mask, pack=pack))  # collective: all-reduce of o_proj
+    def attend(self, q, k, v, mask, pack=None, read=None):
+        # collective: all-reduce of o_proj (a step cache's attention read is summed once, by `gather_read`)
+        return self.tp.all_reduce(super().attend(q, k, v, mask, pack=pack, read=read))
 
 
 class SplitBlock(Block):
@@ -156,8 +157,10 @@ class SplitDiffusionGemma(DiffusionGemma):
     def cache_config(self) -> ModelConfig:
         return self.local_config  # the cache holds this rank's KV heads
 
-    def step_cache_refusal(self, adapter: int = 0) -> str | None:
-        return "the step cache does not work with a split model yet"
+    def gather_read(self, read: torch.Tensor):
+        """The step cache's attention read (n, L), each rank's over its own query heads: summed over the ranks,
+        so that every rank refreshes the same positions."""
+        read.copy_(self.tp.all_reduce(read))  # collective: all-reduce of the read
 
 
 def _linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:

@@ -288,11 +288,12 @@ async def _cancel_on_disconnect(request: Request, worker: EngineWorker, streams:
 
 
 def _draft_payload(codec, event) -> dict:
+    kept = {} if event.settled is None else {"settled": event.settled}
     return {"canvas": event.canvas_index, "step": event.step + 1, "tokens": event.tokens,
             "pieces": [codec.piece(t) for t in event.tokens],
             "entropy": [round(e, 4) for e in event.entropy], "accepted": event.accepted,
             "edited": event.edited or [False] * len(event.tokens),
-            "corrected": event.corrected or [False] * len(event.tokens), "phase": event.phase}
+            "corrected": event.corrected or [False] * len(event.tokens), "phase": event.phase, **kept}
 
 
 def _stats(state: ServerState, choice: ChoiceInProgress) -> dict:

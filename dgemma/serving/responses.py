@@ -142,6 +142,9 @@ class Draft(Body):
     edited: list[bool] = Field(description="per position: block refinement replaced its committed token")
     corrected: list[bool] = Field(description="per position: a DDIM corrector sweep drew it again")
     phase: Literal["predictor", "corrector"] = Field(description="a denoising step, or a DDIM corrector sweep")
+    settled: list[bool] | None = Field(None, description="with step_cache: the positions this step kept (their "
+                                                         "logits and keys/values from an earlier step) instead of "
+                                                         "running them through the decoder")
 
 
 class ChatDelta(Body):

@@ -231,6 +231,8 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
                        deterministic=settings.deterministic)
     engine_class = Engine
     mode = _compile_mode(loader, model, adapters)  # before any engine steps: on a split model, a collective
+    if mode is not None and sampling.step_cache and (settings.tp is None or settings.tp.rank == 0):
+        print("dgemma serve: the step cache's steps run eagerly (requests without it: compiled)", file=sys.stderr)
     if settings.tp is not None:
         from dgemma.engine.lockstep import LockstepEngine
 

@@ -98,6 +98,13 @@ class TrainConfig:
     noise_eps: float = option("t ~ U(eps, 1)", "optimisation", 1e-3)
     self_cond_prob: float = option("probability of a self-conditioning pass per example", "optimisation", 0.5)
     encoder_loss_weight: float = option("weight of the encoder's next-token loss", "optimisation", 1.0)
+    cache_aware: float = option(
+        "probability that an example with self-conditioning trains its second pass on what the step cache hands "
+        "over: keys/values of an earlier, noisier canvas for the positions that would have settled (0: off; two "
+        "more decoder forwards without gradient per step; the exported model runs with the step cache on and "
+        "says so in generation_config.json)", "optimisation", 0.0, metavar="P")
+    cache_aware_settle: float = option("top probability at which a position of the earlier canvas counts as "
+                                       "settled (--cache-aware)", "optimisation", 0.9, metavar="P")
     train_router: bool = option("let the MoE routers learn (frozen by default)", "optimisation", False)
     lora: bool = option("train low-rank adapters only (merged on export)", "LoRA", False)
     lora_rank: int = option("adapter rank", "LoRA", 16)
@@ -150,6 +157,9 @@ class TrainConfig:
             (self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup and grad-clip must be >= 0"),
             (0 < self.noise_eps < 1, "noise-eps must be in (0, 1)"),
             (0 <= self.self_cond_prob <= 1, "self-cond-prob must be in [0, 1]"),
+            (0 <= self.cache_aware <= 1 and 0 < self.cache_aware_settle <= 1,
+             "cache-aware must be in [0, 1] and cache-aware-settle in (0, 1]"),
+            (self.cache_aware == 0 or self.objective == "diffusion", "--cache-aware trains the diffusion objective"),
             (self.save_every >= 1 and self.log_every >= 1, "save-every and log-every must be >= 1"),
         ]
         for ok, message in problems:

@@ -45,6 +45,12 @@ def export_checkpoint(checkpoint: Path, out: Path, *, max_shard_bytes: int = SHA
     model_config = resolve_model_config(config.model, config.init, config.model_overrides)
     eos_id = config.eos_id if config.eos_id is not None else model_config.eos_token_id
     plain, plan = meta_model(config.model, model_config, eos_id, base_dtype(config))
+    if config.cache_aware > 0:  # trained to read the step cache's kept keys/values: it says so, and runs with it on
+        plain.sampling_config = plain.sampling_config.replace(step_cache=True)
+        generation = dict(plain.hf_generation_config or {})
+        generation["dgemma"] = {**(generation.get("dgemma") or {}), "cache_aware_training": {
+            "probability": config.cache_aware, "settle": config.cache_aware_settle}}
+        plain.hf_generation_config = generation
     if config.tokenizer:
         plain.source_dir = config.tokenizer  # tokenizer files are copied from here
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in plain.state_dict().items()}

@@ -364,13 +364,15 @@ def _accumulate_gradients(config: TrainConfig, env: D.DistEnv, model, dataset, s
         noise = None
         if config.objective == "diffusion":
             noise = draw_noise(batch, run_seed=config.seed, canvas_length=L, vocab_size=V,
-                               eps=config.noise_eps, self_cond_prob=config.self_cond_prob)
+                               eps=config.noise_eps, self_cond_prob=config.self_cond_prob,
+                               cache_aware=config.cache_aware)
         batch = batch.to(env.device)
         D.set_gradient_sync(model, env, a == share // micro - 1)
         with autocast:
             if noise is not None:
                 losses = diffusion_losses(model, batch, noise, encoder_loss_weight=config.encoder_loss_weight,
-                                          cache_dtype=cache_dtype, lockstep=env.distributed)
+                                          cache_dtype=cache_dtype, lockstep=env.distributed,
+                                          cache_aware_settle=config.cache_aware_settle)
             else:
                 losses = ar_losses(model, batch, cache_dtype=cache_dtype)
         # FSDP averages gradients over W processes: scale so the result is the mean over G examples

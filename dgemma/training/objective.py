@@ -11,6 +11,16 @@ Per example (facts sheet 3.2 / 3.3 / 3.6):
   6. L_AR   = mean next-token cross-entropy of the encoder over the response.
   7. loss = L_diff + w * L_AR (w = 1.0), averaged over examples.
 One t per example is the same as one t per canvas here, since only one canvas is scored.
+
+The cache-aware variant (`--cache-aware P`, off by default) trains the model to read the step cache's kept
+keys/values (dgemma.generation.step_cache). With probability P an example with self-conditioning gets an
+earlier, noisier canvas x_e (every position corrupted in x_t, with fresh noise, and each other one with
+probability u ~ U(0, 1)), run through the decoder twice without gradient as generation would (no signal, then
+self-conditioned on the first). Its confident positions (top probability >= `--cache-aware-settle`) are the
+ones the step cache would have settled: in pass 2 the other positions read, for them, the keys/values of every
+layer as the x_e pass computed them (detached), which is what generation hands over, and the loss of such an
+example is the mean over the positions it would compute (the settled ones' logits are kept, not computed).
+Cost: two more decoder forwards without gradient per step while P > 0 (`benchmarks/README.md`).
 The decoder reads the cache through `prefix_length = prompt_len + j * L`: it sees the clean prompt and
 the clean earlier canvases and nothing after, exactly what generation sees.
 
@@ -28,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dgemma.device_sync import to_device
 from dgemma.model.network import PreviousStep
 from dgemma.training.data import Batch
 
@@ -41,6 +52,11 @@ class Noise:
     replace: torch.Tensor  # (B, L) bool, positions to corrupt
     random_tokens: torch.Tensor  # (B, L) long, their replacements
     self_condition: torch.Tensor  # (B,) bool, feed pass-1 logits to pass 2
+    # the cache-aware variant (None without it): rows whose pass 2 reads an earlier canvas's keys/values, and
+    # that canvas: the positions corrupted there (B, L) bool and their tokens (B, L) long
+    stale: torch.Tensor | None = None
+    earlier_replace: torch.Tensor | None = None
+    earlier_tokens: torch.Tensor | None = None
 
 
 def example_seed(run_seed: int, stream_position: int) -> int:
@@ -48,7 +64,9 @@ def example_seed(run_seed: int, stream_position: int) -> int:
 
 
 def draw_noise(batch: Batch, *, run_seed: int, canvas_length: int, vocab_size: int,
-               eps: float, self_cond_prob: float) -> Noise:
+               eps: float, self_cond_prob: float, cache_aware: float = 0.0) -> Noise:
+    """One micro-batch's noise, each example's from its own generator. The cache-aware draws come after
+    the others, so turning the variant on changes no other draw."""
     rows = []
     for position, canvases in zip(batch.stream_position.tolist(), batch.num_canvases.tolist()):
         gen = torch.Generator().manual_seed(example_seed(run_seed, position))
@@ -57,7 +75,12 @@ def draw_noise(batch: Batch, *, run_seed: int, canvas_length: int, vocab_size: i
         replace = torch.rand(canvas_length, generator=gen) < t
         tokens = torch.randint(vocab_size, (canvas_length,), generator=gen)
         coin = torch.rand((), generator=gen) < self_cond_prob
-        rows.append((t, canvas, replace, tokens, coin))
+        row = (t, canvas, replace, tokens, coin)
+        if cache_aware > 0:
+            stale = coin & (torch.rand((), generator=gen) < cache_aware)
+            more = torch.rand(canvas_length, generator=gen) < torch.rand((), generator=gen)  # u ~ U(0, 1)
+            row += (stale, replace | more, torch.randint(vocab_size, (canvas_length,), generator=gen))
+        rows.append(row)
     return Noise(*(torch.stack(column) for column in zip(*rows)))
 
 
@@ -94,9 +117,59 @@ class Losses:
     ar: torch.Tensor
 
 
+class CanvasEntries:
+    """A training cache (keep_all KVCache) as one decoder pass sees it: `decoder_keys`, which every layer calls
+    with the canvas's own entries, either records them (detached; `kept` None) or hands the kept ones over, as
+    the step cache does in generation: kept[layer] holds the entries of the rows `rows` (n,) and `stale` (n, L)
+    bool says which of their positions read them. Everything else is the cache's."""
+
+    def __init__(self, cache, kept: list | None = None, rows: torch.Tensor | None = None,
+                 stale: torch.Tensor | None = None):
+        self.cache, self.kept, self.rows, self.stale = cache, kept, rows, stale
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def decoder_keys(self, layer: int, sliding: bool, rows, k: torch.Tensor, v: torch.Tensor | None):
+        """k, v (B, Hkv, L, D; v None on full layers) -> the layer's keys/values over [canvas | prefix]."""
+        if self.kept is None:
+            self.recorded.append((k.detach(), None if v is None else v.detach()))
+        else:
+            k, v = (None if new is None else self._hand_over(new, old) for new, old in zip((k, v), self.kept[layer]))
+        return self.cache.decoder_keys(layer, sliding, rows, k, v)
+
+    def _hand_over(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """new (B, Hkv, L, D) with the kept rows' stale positions taken from old (n, Hkv, L, D), detached;
+        gradients flow through the rest."""
+        where = torch.zeros(new.shape[0], new.shape[2], dtype=torch.bool, device=new.device)  # (B, L)
+        where[self.rows] = self.stale
+        full = torch.zeros_like(new, requires_grad=False)
+        full[self.rows] = old.to(new.dtype)
+        return torch.where(where[:, None, :, None], full, new)
+
+
+def earlier_entries(model, cache, noise: Noise, clean: torch.Tensor, start: torch.Tensor, settle: float,
+                    rows: list[int]):
+    """The cache-aware variant's earlier canvas x_e of the rows `rows` (n of them), denoised as generation would (no
+    signal, then self-conditioned on that), without gradient -> (every layer's canvas entries of those rows from
+    the second pass, each (n, Hkv, L, D), and (n, L) bool the positions it is sure of: top probability >= settle)."""
+    device = clean.device
+    index = to_device(rows, torch.long, device)
+    earlier = torch.where(noise.earlier_replace.to(device), noise.earlier_tokens.to(device), clean)[index]
+    with torch.no_grad():
+        first = model.denoise(earlier, cache, prefix_length=start[index], rows=rows)
+        recorder = CanvasEntries(cache)
+        logits = model.denoise(earlier, recorder, self_conditioning=PreviousStep.from_logits(first),
+                               prefix_length=start[index], rows=rows)
+    return recorder.recorded, logits.softmax(dim=-1).amax(dim=-1) >= settle
+
+
 def diffusion_losses(model, batch: Batch, noise: Noise, *, encoder_loss_weight: float = 1.0,
-                     cache_dtype: torch.dtype | None = None, lockstep: bool = False) -> Losses:
-    """The DiffusionGemma objective on one micro-batch (tensors already on the model's device).
+                     cache_dtype: torch.dtype | None = None, lockstep: bool = False,
+                     cache_aware_settle: float = 0.9) -> Losses:
+    """The DiffusionGemma objective on one micro-batch (tensors already on the model's device); with
+    `noise.stale` the cache-aware variant (module docstring), its settled positions at `cache_aware_settle`.
 
     `lockstep`: always run the same passes whatever the data says, as FSDP needs (every pass gathers the
     weights collectively, so a process that skipped one would leave the others waiting).
@@ -124,8 +197,22 @@ def diffusion_losses(model, batch: Batch, noise: Noise, *, encoder_loss_weight: 
     else:  # every coin says "zeros": pass 1 would be masked out anyway
         first = torch.zeros(B, L, model.config.vocab_size, device=device)
     previous = PreviousStep.from_logits(first, mask=use_sc)
-    logits = model.denoise(noisy, cache, self_conditioning=previous, prefix_length=start)  # (B, L, V)
-    diffusion = F.cross_entropy(logits.transpose(1, 2), clean, reduction="none").mean(1)  # (B,)
+    decoder_cache, computed = cache, None
+    if noise.stale is not None and (lockstep or noise.stale.any()):
+        # the rows that read kept entries (every row in lockstep, each process running the same passes)
+        rows = list(range(B)) if lockstep else noise.stale.nonzero().squeeze(1).tolist()  # a host tensor
+        kept, sure = earlier_entries(model, cache, noise, clean, start, cache_aware_settle, rows)
+        index = to_device(rows, torch.long, device)
+        stale = sure & noise.stale.to(device)[index][:, None]  # (n, L)
+        decoder_cache = CanvasEntries(cache, kept, index, stale)
+        computed = torch.ones(B, L, dtype=torch.bool, device=device)
+        computed[index] = ~stale
+    logits = model.denoise(noisy, decoder_cache, self_conditioning=previous, prefix_length=start)  # (B, L, V)
+    ce = F.cross_entropy(logits.transpose(1, 2), clean, reduction="none")  # (B, L)
+    if computed is None:
+        diffusion = ce.mean(1)  # (B,)
+    else:  # the positions generation would compute (a row none of whose positions settled: all of them)
+        diffusion = (ce * computed).sum(1) / computed.sum(1).clamp(min=1)
     return Losses(diffusion + encoder_loss_weight * ar, diffusion, ar)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dgemma.config import ConfigError, ModelConfig, SamplingConfig
+from dgemma.config import STEP_CACHE_KEYS, ConfigError, ModelConfig, SamplingConfig
 from dgemma.model.network import DiffusionGemma
 from dgemma.quant import openvino
 from dgemma.quant.quantize import (
@@ -419,7 +419,15 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int | None = None, weigh
             config["quantization_config"] = quantization_config(fmt)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = dict(model.hf_generation_config or {})
-        gen.update(model.sampling_config.to_hf_dict())
+        sampling = model.sampling_config.to_hf_dict()
+        # dgemma's own section: the sampler's step cache settings as they are now, the rest (what training
+        # recorded about the model) as read
+        section = {k: v for k, v in (gen.get("dgemma") or {}).items() if k not in STEP_CACHE_KEYS}
+        section.update(sampling.pop("dgemma", {}))
+        gen.update(sampling)
+        gen.pop("dgemma", None)
+        if section:
+            gen["dgemma"] = section
         gen.setdefault("bos_token_id", model.config.bos_token_id)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         _write_weights(weights, tmp, max_shard_bytes)

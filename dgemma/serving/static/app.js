@@ -127,7 +127,8 @@ function drawDraft(draft) {
     let piece = draft.pieces[i];
     if (playground.task === "sudoku") piece = /^[1-9]$/.test(piece) ? piece : "";
     cell.textContent = given ? String(given) : (piece === "" ? "\u00a0" : piece.replace(/\n/g, "⏎"));
-    cell.classList.remove("empty", "accepted", "given", "wrong", "edited", "corrected");
+    cell.classList.remove("empty", "accepted", "given", "wrong", "edited", "corrected", "settled");
+    if (draft.settled && draft.settled[i]) cell.classList.add("settled");  // kept by the step cache this step
     cell.style.background = "";
     if (given) {
       cell.classList.add("given");
@@ -142,7 +143,8 @@ function drawDraft(draft) {
     if (draft.corrected && draft.corrected[i]) cell.classList.add("corrected");
     cell.title = `position ${i} · token ${token} · entropy ${draft.entropy[i].toFixed(3)}` +
       (draft.edited && draft.edited[i] ? " · edited" : "") +
-      (draft.corrected && draft.corrected[i] ? " · redrawn by the corrector" : "");
+      (draft.corrected && draft.corrected[i] ? " · redrawn by the corrector" : "") +
+      (draft.settled && draft.settled[i] ? " · kept by the step cache" : "");
   });
   const sweep = draft.phase === "corrector" ? " · corrector sweep" : "";
   $("canvas-label").textContent = `canvas ${draft.canvas + 1} · step ${draft.step}${sweep}`;
@@ -160,6 +162,8 @@ function showStats(stats) {
     `${stats.canvases} canvas${stats.canvases === 1 ? "" : "es"}`,
     `steps ${JSON.stringify(stats.steps_per_canvas)}`,
     `${stats.tokens_per_forward.toFixed(1)} tokens/forward`,
+    ...(stats.decoder_positions < stats.whole_canvas_positions
+      ? [`${stats.decoder_positions} of ${stats.whole_canvas_positions} decoder positions (step cache)`] : []),
     `${stats.elapsed_s.toFixed(2)} s`,
     `seed ${stats.seed}`,
   ];
@@ -212,6 +216,7 @@ function requestBody() {
     ...samplerFields(),
     seed: numberField("seed"),
     fixed_steps: $("fixed-steps").checked || undefined,
+    step_cache: $("step-cache").value === "" ? undefined : $("step-cache").value === "on",
   };
   if (playground.task === "sudoku") {
     const puzzle = $("puzzle").value.replace(/\s+/g, "");
