@@ -185,7 +185,6 @@ def test_the_model_room_holds_the_network_alone():
 # Rules written once: each pattern may appear only in the file that defines the rule.
 ONE_DEFINITION = {
     "% GROUP_SIZE[": "dgemma/quant/formats.py",  # the int8/int4 group size and its fallback (`group_size`)
-    "step cache does not work with": ("dgemma/model/network.py", "dgemma/parallel/modules.py"),  # step_cache_refusal
     # the default dtype: every caller takes `devices.default_dtype` (which says why); nothing else asks whether
     # bf16 is fast or measures it (tests/test_devices.py holds that each command asks it)
     "fast_bf16(": "dgemma/devices.py", "bf16_per_fp32(": "dgemma/devices.py", "onednn_runs_bf16(": "dgemma/devices.py",

@@ -205,7 +205,8 @@ def test_bodies_carry_the_fields_given_and_none_left_out():
     chat = ChunkWriter(chat=True, model="m")
     assert chat.text("hi", index=1)["choices"] == [{"index": 1, "delta": {"content": "hi"}, "finish_reason": None}]
     assert set(chat.text("hi")) == {"id", "object", "created", "model", "choices"}
-    draft = {"canvas": 0, "step": 1, "tokens": [5], "pieces": ["a"], "entropy": [0.5], "accepted": [True]}
+    draft = {"canvas": 0, "step": 1, "tokens": [5], "pieces": ["a"], "entropy": [0.5], "accepted": [True],
+             "edited": [False], "corrected": [False], "phase": "predictor"}
     assert chat.draft(draft)["choices"][0] == {"index": 0, "delta": {}, "finish_reason": None, "dgemma_draft": draft}
     assert chat.usage_chunk(usage(2, 3, 1))["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
                                                          "prompt_tokens_details": {"cached_tokens": 1}}

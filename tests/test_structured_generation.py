@@ -88,8 +88,8 @@ def test_with_the_step_cache_constrained_positions_settle_only_on_the_tokens_the
     checks = {"settled": 0, "guided": 0}
     settle = StepCache.settle
 
-    def checked(self, argmax, probs, drawn, next_canvas, done):
-        settle(self, argmax, probs, drawn, next_canvas, done)
+    def checked(self, argmax, probs, drawn, next_canvas, done, *args, **kwargs):
+        settle(self, argmax, probs, drawn, next_canvas, done, *args, **kwargs)
         kept = self.settled & drawn  # settled positions the sampler keeps read the guide's token, computed with it
         assert (next_canvas[kept] == self.computed_with[kept]).all()
         checks["settled"] += int(kept.sum())

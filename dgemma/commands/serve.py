@@ -137,9 +137,11 @@ class ModelFromFlags:
     def load(self, folder: str):
         args = argparse.Namespace(**{**vars(self.args), "model": folder})
         model = load_from_args(args, compile=False)
-        if getattr(getattr(args, "tp", None), "rank", 0) == 0:
-            print(f"dtype: {args.dtype_choice}", file=sys.stderr, flush=True)
+        self.args.dtype_choice = args.dtype_choice  # said in announce, once the server's settings are checked
         return model
+
+    def announce(self, model):
+        print(f"dtype: {self.args.dtype_choice}", file=sys.stderr, flush=True)
 
     def prefix_cache_bytes(self, model) -> int:
         return prefix_cache_bytes(self.args, model, "serve")

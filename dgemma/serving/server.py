@@ -107,6 +107,10 @@ class ModelLoader(Protocol):
     def compile_mode(self, model) -> str | None:
         """The mode the step compiles in, in the background once serving (lifecycle); None: it stays eager."""
 
+    def announce(self, model):
+        """The loader's start lines (the dtype it chose and why), once the server's settings are checked: a
+        setting the model cannot take is the only line of a failed start."""
+
 
 def serve(settings: ServerSettings, loader: ModelLoader) -> int:
     """Build the state, listen, and serve until SIGTERM or Ctrl-C has drained the server (lifecycle.py).
@@ -230,6 +234,8 @@ def build_state(settings: ServerSettings, loader: ModelLoader, on_fatal=None) ->
                        prefix_cache_bytes=loader.prefix_cache_bytes(model), prefill_chunk=settings.prefill_chunk,
                        deterministic=settings.deterministic)
     engine_class = Engine
+    if settings.tp is None or settings.tp.rank == 0:
+        loader.announce(model)
     mode = _compile_mode(loader, model, adapters)  # before any engine steps: on a split model, a collective
     if mode is not None and sampling.step_cache and (settings.tp is None or settings.tp.rank == 0):
         print("dgemma serve: the step cache's steps run eagerly (requests without it: compiled)", file=sys.stderr)

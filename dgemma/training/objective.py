@@ -118,7 +118,7 @@ class Losses:
 
 
 class CanvasEntries:
-    """A training cache (keep_all KVCache) as one decoder pass sees it: `decoder_keys`, which every layer calls
+    """A training cache (keep_all KVCache) as one decoder pass sees it: `place_before_prefix`, which every layer calls
     with the canvas's own entries, either records them (detached; `kept` None) or hands the kept ones over, as
     the step cache does in generation: kept[layer] holds the entries of the rows `rows` (n,) and `stale` (n, L)
     bool says which of their positions read them. Everything else is the cache's."""
@@ -131,13 +131,13 @@ class CanvasEntries:
     def __getattr__(self, name):
         return getattr(self.cache, name)
 
-    def decoder_keys(self, layer: int, sliding: bool, rows, k: torch.Tensor, v: torch.Tensor | None):
+    def place_before_prefix(self, layer: int, sliding: bool, rows, k: torch.Tensor, v: torch.Tensor | None):
         """k, v (B, Hkv, L, D; v None on full layers) -> the layer's keys/values over [canvas | prefix]."""
         if self.kept is None:
             self.recorded.append((k.detach(), None if v is None else v.detach()))
         else:
             k, v = (None if new is None else self._hand_over(new, old) for new, old in zip((k, v), self.kept[layer]))
-        return self.cache.decoder_keys(layer, sliding, rows, k, v)
+        return self.cache.place_before_prefix(layer, sliding, rows, k, v)
 
     def _hand_over(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """new (B, Hkv, L, D) with the kept rows' stale positions taken from old (n, Hkv, L, D), detached;
