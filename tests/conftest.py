@@ -16,9 +16,11 @@ os.environ.setdefault("DGEMMA_EAGER", "1")
 # Int8 compute keeps int4 experts on torch's kernels here (the path most tests check); the OpenVINO experts
 # of the cpu-kernels extra have their own tests (test_cpu_kernels.py), which ask for them.
 os.environ.setdefault("DGEMMA_CPU_KERNELS", "torch")
-# Two threads on the CI machine's two cores; OMP_NUM_THREADS=1 when sharing the machine with other work
-# (oversubscribed OpenMP threads slow everything down by an order of magnitude).
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
+# Two threads on the CI machine's two cores; one per worker when pytest-xdist runs two (`-n 2`, the README's
+# command), and OMP_NUM_THREADS=1 when sharing the machine with other work (oversubscribed OpenMP threads slow
+# everything down by an order of magnitude).
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _THREADS)))
 
 S, F = "sliding_attention", "full_attention"
 

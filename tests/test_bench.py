@@ -28,6 +28,13 @@ def test_tiny_bench_prints_json(tmp_path):
     # which dtype ran and why: --dtype auto asks devices.default_dtype, as the generating commands do
     assert result["dtype"] == "float32" and ran["dtype_why"] == "a model 64 wide: on a CPU, bf16 pays from 256 wide"
     assert "what ran: int8 compute off, float32 (a model 64 wide: on a CPU, bf16 pays from 256 wide)" in proc.stdout
+    # start-up: fresh processes to the first canvas, eager and compiled from an empty then a filled cache
+    startup = result["startup"]
+    assert list(startup) == ["eager", "compiled, cold cache", "compiled, warm cache"]
+    assert [run["compiled"] for run in startup.values()] == [False, True, True]
+    cold, warm = startup["compiled, cold cache"], startup["compiled, warm cache"]
+    assert warm["first_canvas_s"] < cold["first_canvas_s"]  # the cold run compiled; the warm one read its kernels
+    assert all(0 < run["build_s"] < run["seconds"] for run in startup.values())
 
 
 def test_bench_rejects_bad_batch():
