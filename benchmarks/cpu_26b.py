@@ -47,7 +47,7 @@ def measure(args) -> dict:
 
     import dgemma
     from dgemma import processes
-    from dgemma.engine.allocator import release_freed_memory
+    from dgemma.processes import release_freed_memory
     from dgemma.model import PreviousStep
     from dgemma.model.packing import PackedPositions
     from dgemma.quant import int8_compute, kernels, quantize

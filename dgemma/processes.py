@@ -7,7 +7,8 @@ killing a replica's process): left alone, a rank 0 would go on serving its port 
 on it. `end_with_parent` asks the kernel to send SIGTERM, which they handle as a stop, when the parent ends.
 
 `resident_memory` reads a process's resident memory from /proc (the one place dgemma, its benchmarks and
-its tests read it; tests/test_import_graph.py holds that), and `restart_peak_rss` starts its peak afresh.
+its tests read it; tests/test_import_graph.py holds that), `restart_peak_rss` starts its peak afresh, and
+`release_freed_memory` hands glibc's freed heap back to the kernel.
 """
 
 from __future__ import annotations
@@ -63,3 +64,28 @@ def restart_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def glibc():
+    """The C library when it is glibc (it has mallopt and malloc_trim), else None."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def release_freed_memory():
+    """glibc: hand freed heap memory back to the kernel now (malloc_trim). `dgemma bench` does this before
+    every timed run, so that resident memory before a run is what is live and the run's own allocations
+    show in its peak even while freed memory is kept for reuse (dgemma.engine.allocator.keep_freed_memory);
+    a hand-over to a kernel library does it after each weight it gives away, so that what it freed is not
+    kept beside what the library allocates next."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

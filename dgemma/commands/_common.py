@@ -86,7 +86,7 @@ def add_int8_compute_argument(p):
 
 def apply_int8_compute(args, model):
     """`--cpu-int8-compute` on a loaded model (before compiling); a bad combination is a usage error."""
-    from dgemma.engine.allocator import release_freed_memory
+    from dgemma.processes import release_freed_memory
     from dgemma.quant import int8_compute, kernels
 
     try:

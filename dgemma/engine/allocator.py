@@ -13,7 +13,8 @@ by ~5 MiB a request for hundreds of requests (benchmarks/README.md, "Memory over
 from __future__ import annotations
 
 import os
-import sys
+
+from dgemma.processes import glibc
 
 # kernels kept per cache: a forward's repeated shapes (the dense layers' q/k/v/o and MLP projections, shared
 # by every layer) stay cached, and the caches stop growing with the shapes seen. An AMX kernel holds ~0.75 MiB
@@ -21,20 +22,6 @@ import sys
 # cost a batch of 4 canvases 15% of its speed, its experts' routed-token counts no longer fitting
 # (tests/test_server_memory.py, bench-20m bf16)
 KERNEL_CACHE_ENTRIES = 128
-
-
-def _glibc():
-    """The C library when it is glibc (it has mallopt and malloc_trim), else None."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def keep_freed_memory() -> bool:
@@ -46,20 +33,11 @@ def keep_freed_memory() -> bool:
     memory freed after the peak stays with the process. Linux with glibc only; returns False where it
     does nothing.
     """
-    libc = _glibc()
+    libc = glibc()
     if libc is None:  # not glibc (musl has no mallopt)
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
-def release_freed_memory():
-    """glibc: hand freed heap memory back to the kernel now (malloc_trim); `dgemma bench` does this before
-    every timed run, so that resident memory before a run is what is live and the run's own allocations
-    show in its peak even while freed memory is kept for reuse (`keep_freed_memory`)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES):

@@ -43,6 +43,8 @@ import importlib.util
 import torch
 from torch import nn
 
+from dgemma import processes
+
 GROUP = 32
 # What OpenVINO holds besides the codes and two fp32 numbers per group, per fully connected layer (measured:
 # ~0.13-0.21 MiB), and the rows a canvas step gives a linear layer (batch 1), for `library_bytes`
@@ -307,7 +309,7 @@ def plan(chosen: list, reserve: int) -> tuple[int, list]:
     bytes left for a step's activations. Every linear layer first (a few percent of the weights, as fast a
     gain as the experts' per layer), then the experts: all of them in dgemma's groups of 32, else in groups
     of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32) where nothing does."""
-    from dgemma import devices, processes
+    from dgemma import devices
 
     rss = processes.resident_memory()["rss"]
     ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
@@ -362,6 +364,8 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
             module.library = LibraryLinear(module, threads)
         module.int8 = None  # int8 compute's per-weight state read the released codes
         counts[part] += 1
+        if part == "experts":  # what its hand-over freed (the released codes, a regrouping's dequantised
+            processes.release_freed_memory()  # values) back to the kernel now: glibc kept ~0.3 GiB a layer
     return {part: n for part, n in counts.items() if n} | {"left": len(chosen) - len(taken), "group": group}
 
 

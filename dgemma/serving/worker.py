@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dgemma.engine import Engine, Event, QueueFull, Request, ScoreRequest
-from dgemma.engine.allocator import release_freed_memory
+from dgemma.processes import release_freed_memory
 from dgemma.engine.lockstep import RanksLost
 
 log = logging.getLogger("dgemma.serve")
