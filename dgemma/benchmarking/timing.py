@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from dgemma.config import SamplingConfig
-from dgemma.processes import release_freed_memory
 from dgemma.engine.memory import kv_cache, logits_buffer_bytes
 from dgemma.generation.canvas import canvases_for, positions_needed
-from dgemma.processes import resident_memory, restart_peak_rss
+from dgemma.processes import release_freed_memory, resident_memory, restart_peak_rss
 
 
 @dataclass

@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from dgemma.engine import Engine, Event, QueueFull, Request, ScoreRequest
-from dgemma.processes import release_freed_memory
 from dgemma.engine.lockstep import RanksLost
+from dgemma.processes import release_freed_memory
 
 log = logging.getLogger("dgemma.serve")
 
