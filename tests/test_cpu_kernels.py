@@ -93,6 +93,33 @@ def test_one_copy_and_every_row_count_on_it(dtype):
 
 @needs_openvino
 @torch.no_grad()
+def test_canvas_calls_hand_their_intermediate_tensors_back():
+    """A graph call of RELEASE_ROWS rows or more hands its intermediate tensors back as it returns (kept, every
+    graph would hold those of the largest call it ran: ~56 MiB per experts layer of the 26B at a canvas); a
+    one-row call keeps its few bytes and skips the release; a call after a release gives the same product."""
+    model = _tiny_int4(torch.bfloat16)
+    int8_compute.enable(model, "on", library="openvino")
+    graph = model.layers[1].experts.library
+    released, compiled = [], graph.compiled
+
+    class Counted:
+        def release_memory(self):
+            released.append(True)
+            compiled.release_memory()
+
+    graph.compiled = Counted()
+    g = torch.Generator().manual_seed(5)
+    many, one = [openvino.RELEASE_ROWS // 4] * 4, [1, 0, 0, 0]
+    rows, row = torch.randn(sum(many), 64, generator=g).bfloat16(), torch.randn(1, 64, generator=g).bfloat16()
+    first = graph(rows, many)
+    assert released == [True]
+    graph(row, one)
+    assert released == [True]
+    assert torch.equal(graph(rows, many), first) and released == [True, True]
+
+
+@needs_openvino
+@torch.no_grad()
 def test_linear_layers_match_their_weights_at_every_row_count():
     """A QuantLinear handed over (DGEMMA_CPU_KERNELS=openvino takes every size) against its dequantised weight,
     at 1 and 256 rows, in a 3-D call as the layers make them."""

@@ -13,7 +13,7 @@ V26 = 262_144  # the released vocabulary
 
 
 def test_chunk_choice():
-    # CPU: a 262k vocabulary is not read 64 times for one canvas (the old 4-row blocks)
+    # CPU: a 262k vocabulary is read once for one canvas (not 64 times, as 4-row blocks did, nor 4 as 64-row ones)
     assert vocab_chunk_rows(256, V26, "cpu") == VOCAB_MIN_ROWS
     assert vocab_chunk_rows(256, 8192, "cpu") == 256  # small vocabularies: a canvas in one block
     assert vocab_chunk_rows(512, 8192, "cpu") == 256

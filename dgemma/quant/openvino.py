@@ -28,12 +28,15 @@ one line that says how to get a model that has them (load it with the torch kern
 
 OpenVINO's copy costs more than the one it replaces (measured on one 26B layer's experts: 612 MiB for 408 MiB
 of codes and fp16 scales): the codes, each group's scale as fp32 twice (a converted constant and the kernel's
-transposed copy), ~0.2 MiB per fully connected layer, and the intermediate tensors of the largest call it has
-run; neither the scale dtype handed over, signed or unsigned codes, their alignment, nor its runtime cache's
-capacity changes that (benchmarks/README.md). So the hand-over is planned (`plan`, `library_bytes`): in
-dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
-experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and
-as many layers as fit; the others keep dgemma's copy and torch's kernels.
+transposed copy) and ~0.2 MiB per fully connected layer; neither the scale dtype handed over, signed or
+unsigned codes, their alignment, nor its runtime cache's capacity changes that (benchmarks/README.md). Each
+graph would also keep the intermediate tensors of the largest call it has run: a canvas call hands them back
+as it returns (`RELEASE_ROWS`), so a step holds one graph's at a time (glibc keeps part of what they free,
+fragmented between torch's allocations: a 26B step still rises ~3 GiB over the resident set, against 0.9 on
+torch's kernels). So the hand-over is planned (`plan`, `library_bytes`): in dgemma's groups of 32 where the
+process then stays within MEMORY_SHARE of the machine's memory, else the experts quantised again in groups of
+64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and as many layers as fit; the others keep
+dgemma's copy and torch's kernels.
 """
 
 from __future__ import annotations
@@ -47,9 +50,13 @@ from dgemma import processes
 
 GROUP = 32
 # What OpenVINO holds besides the codes and two fp32 numbers per group, per fully connected layer (measured:
-# ~0.13-0.21 MiB), and the rows a canvas step gives a linear layer (batch 1), for `library_bytes`
+# ~0.13-0.21 MiB), for `library_bytes`
 FC_BYTES = 200 << 10
-CANVAS_ROWS = 256
+# A call of at least this many rows hands its intermediate tensors back as it returns (`_Graph.run`): kept, each
+# graph would hold those of the largest call it has run (~56 MiB per experts layer of the 26B at a canvas; with
+# 27 layers and their linears, 3.7 GiB over a step), while one-row calls (an AR token) keep theirs, a few KiB,
+# and skip the release's ~0.1 ms
+RELEASE_ROWS = 64
 # The hand-over plans the process's memory within this share of the machine's (and what is available):
 # on a 24 GB machine, 20 GiB
 MEMORY_SHARE = 0.85
@@ -138,6 +145,23 @@ def regroup(codes, scales, group: int):
     return q.numpy() ^ np.uint8(0x88), s.numpy()
 
 
+def library_stack(q: torch.Tensor, scales: torch.Tensor, kernel: bool, group: int):
+    """A stack of E weights' codes and scales (dgemma's, `kernel` as in `plain_codes`) -> plain signed codes
+    (E, N, K/2) and fp16 scales (E, N, K/group), the arrays a graph's constants read. In dgemma's groups: the
+    whole stack in one conversion. Wider groups: expert by expert into the two arrays, so that beside dgemma's
+    codes only the regrouped stack and one expert's temporaries exist (a whole plain stack as well would be
+    ~0.4 GiB more of the hand-over's peak per 26B layer)."""
+    import numpy as np
+
+    if group == GROUP:
+        return plain_codes(q, kernel), plain_scales(scales, kernel)
+    E, N, half = q.shape
+    codes, s = np.empty((E, N, half), np.uint8), np.empty((E, N, 2 * half // group), np.float16)
+    for e in range(E):
+        codes[e], s[e] = regroup(plain_codes(q[e], kernel), plain_scales(scales[e], kernel), group)
+    return codes, s
+
+
 class _Graph:
     """What both kinds share: building int4 weights into a graph, compiling it, calling it on torch tensors."""
 
@@ -150,18 +174,15 @@ class _Graph:
         self.keep = []  # the arrays the graph's constants read, alive until its first run has repacked them
 
     def weight(self, codes, s):
-        """One weight's plain codes (N, K/2) and fp16 scales (N, K/32) (`plain_codes`, `plain_scales`) -> the
-        graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 -> times the (N, G, 1) scales -> (N, K), the
-        pattern OpenVINO compresses (it never makes the dense copy). In groups of `self.group`: wider than
-        dgemma's 32, the weight is quantised again (`regroup`)."""
+        """One weight's plain codes (N, K/2) and fp16 scales (N, K/group) (`plain_codes`, `plain_scales`,
+        `library_stack`) -> the graph's (N, K) fp32 weight: i4 codes (N, G, group) -> f16 -> times the (N, G, 1)
+        scales -> (N, K), the pattern OpenVINO compresses (it never makes the dense copy)."""
         import numpy as np
         import openvino.opset13 as ops
 
         ov = self.ov
-        if self.group != GROUP:
-            codes, s = regroup(codes, s, self.group)
         N, G = s.shape
-        self.keep.extend((codes, s))  # views of a stack the caller keeps too; theirs, once regrouped
+        self.keep.extend((codes, s))  # (views of) the arrays the constants read, until the first run
         w = ops.constant(ov.Tensor(codes, ov.Shape([N, G, self.group]), ov.Type.i4), shared_memory=True)
         w = ops.multiply(ops.convert(w, ov.Type.f16), ops.constant(ov.Tensor(s.reshape(N, G, 1)), shared_memory=True))
         return ops.convert(ops.reshape(w, ops.constant(np.array([N, G * self.group], dtype=np.int64)), False),
@@ -172,7 +193,7 @@ class _Graph:
 
         ov = self.ov
         y = ops.convert(outputs, self.io_type)
-        compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU", {
+        self.compiled = compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU", {
             "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
         self.request = compiled.create_infer_request()
@@ -197,6 +218,8 @@ class _Graph:
             self.request.set_input_tensor(i, self.tensor(other))
         self.request.set_output_tensor(self.tensor(out))
         self.request.infer()
+        if x.shape[0] >= RELEASE_ROWS:
+            self.compiled.release_memory()  # its intermediate tensors, free for the next graph (see RELEASE_ROWS)
         return out
 
     def repacked(self):
@@ -218,10 +241,8 @@ class LibraryExperts(_Graph):
         offsets = ops.parameter([E + 1], self.ov.Type.i64, name="offsets")
         rows = ops.convert(x, self.ov.Type.f32)
 
-        plain = {name: (plain_codes(getattr(module, f"{name}_q"), kernel),
-                        plain_scales(getattr(module, f"{name}_scales"), kernel))
-                 for name in ("gate_up_proj", "down_proj")}  # whole stacks: one conversion each
-        self.keep.append(plain)
+        plain = {name: library_stack(getattr(module, f"{name}_q"), getattr(module, f"{name}_scales"), kernel, group)
+                 for name in ("gate_up_proj", "down_proj")}
 
         def product(inputs, name: str, e: int):
             codes, s = plain[name]
@@ -252,12 +273,13 @@ class LibraryExperts(_Graph):
 
 
 class LibraryLinear(_Graph):
-    """One compiled graph for a QuantLinear, x (..., K) -> (..., N); releases the module's codes."""
+    """One compiled graph for a QuantLinear, x (..., K) -> (..., N), in dgemma's groups of 32; releases the
+    module's codes."""
 
-    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
+    def __init__(self, module: nn.Module, threads: int):
         import openvino.opset13 as ops
 
-        super().__init__(module.compute_dtype, group)
+        super().__init__(module.compute_dtype, GROUP)
         K, N = module.in_features, module.out_features
         x = ops.parameter([-1, K], self.io_type, name="x")
         kernel = bool(module.kernel_layout)
@@ -284,23 +306,23 @@ def release(module: nn.Module, names: tuple[str, ...]):
 
 def library_bytes(module: nn.Module, group: int) -> int:
     """What OpenVINO holds for a module in groups of `group` (measured, benchmarks/README.md): the int4 codes,
-    two fp32 numbers per group (its scale, converted, and the kernel's transposed copy), FC_BYTES per fully
-    connected layer, and the intermediate tensors a canvas step leaves allocated (bf16, CANVAS_ROWS rows)."""
+    two fp32 numbers per group (its scale, converted, and the kernel's transposed copy) and FC_BYTES per fully
+    connected layer. A canvas call's intermediate tensors are handed back as it returns (RELEASE_ROWS): the
+    step's reserve holds the largest (`reserve_bytes`)."""
     weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
     elements = sum(2 * q.numel() for q in weights)
     layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
-    if hasattr(module, "gate_up_proj_q"):
-        E, two_i, half_h = module.gate_up_proj_q.shape
-        rows, widths = CANVAS_ROWS * 8, 2 * (2 * half_h) + two_i + two_i // 2  # top-8 entries per token
-    else:
-        rows, widths = CANVAS_ROWS, module.in_features + module.out_features
-    return elements // 2 + elements // group * 8 + layers * FC_BYTES + rows * widths * 2
+    return elements // 2 + elements // group * 8 + layers * FC_BYTES
 
 
 def reserve_bytes(config) -> int:
     """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
-    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step)."""
-    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20)
+    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
+    intermediate tensors at a canvas (fp32, the top-k entries of each position: its input, gate|up, their
+    product and its output)."""
+    rows = config.canvas_length * config.top_k_experts
+    experts_call = rows * (2 * config.hidden_size + 3 * config.moe_intermediate_size) * 4
+    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
 
 
 def plan(chosen: list, reserve: int) -> tuple[int, list]:
