@@ -33,7 +33,7 @@ unsigned codes, their alignment, nor its runtime cache's capacity changes that (
 graph would also keep the intermediate tensors of the largest call it has run: a canvas call hands them back
 as it returns (`RELEASE_ROWS`), so a step holds one graph's at a time (glibc keeps part of what they free,
 fragmented between torch's allocations: a 26B step still rises ~3 GiB over the resident set, against 0.9 on
-torch's kernels). So the hand-over is planned (`plan`, `library_bytes`): in dgemma's groups of 32 where the
+torch's kernels; the plan counts it, KEPT_SHARE). So the hand-over is planned (`plan`, `library_bytes`): in dgemma's groups of 32 where the
 process then stays within MEMORY_SHARE of the machine's memory, else the experts quantised again in groups of
 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and as many layers as fit; the others keep
 dgemma's copy and torch's kernels.
@@ -57,6 +57,14 @@ FC_BYTES = 200 << 10
 # 27 layers and their linears, 3.7 GiB over a step), while one-row calls (an AR token) keep theirs, a few KiB,
 # and skip the release's ~0.1 ms
 RELEASE_ROWS = 64
+# What glibc still keeps of an experts graph's canvas call once handed back, as a share of its intermediate
+# tensors (`experts_call_bytes`): freed, but fragmented between torch's allocations. Set so that the plan's
+# sum matches the 26B's measured peaks in groups of 64 (7.33 GiB predicted against 7.38 measured at 8 layers,
+# 20.0 against 20.07 at 30): the step's peak over torch's is 80-90 MiB a layer, and `library_bytes`' copy
+# term runs high by about the rest (benchmarks/README.md)
+KEPT_SHARE = 2 / 3
+# (token, expert) entries of a batch-1 canvas (256 positions, top-8 routing), for `library_bytes`
+CANVAS_ENTRIES = 256 * 8
 # The hand-over plans the process's memory within this share of the machine's (and what is available):
 # on a 24 GB machine, 20 GiB
 MEMORY_SHARE = 0.85
@@ -305,23 +313,33 @@ def release(module: nn.Module, names: tuple[str, ...]):
 
 
 def library_bytes(module: nn.Module, group: int) -> int:
-    """What OpenVINO holds for a module in groups of `group` (measured, benchmarks/README.md): the int4 codes,
-    two fp32 numbers per group (its scale, converted, and the kernel's transposed copy) and FC_BYTES per fully
-    connected layer. A canvas call's intermediate tensors are handed back as it returns (RELEASE_ROWS): the
-    step's reserve holds the largest (`reserve_bytes`)."""
+    """What a module costs once handed over in groups of `group` (measured, benchmarks/README.md): the int4
+    codes, two fp32 numbers per group (its scale, converted, and the kernel's transposed copy) and FC_BYTES
+    per fully connected layer that OpenVINO holds, and for routed experts what glibc keeps of their canvas
+    call (KEPT_SHARE). A call's intermediate tensors are handed back as it returns (RELEASE_ROWS): the step's
+    reserve holds the largest (`reserve_bytes`)."""
     weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
     elements = sum(2 * q.numel() for q in weights)
     layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
-    return elements // 2 + elements // group * 8 + layers * FC_BYTES
+    kept = 0
+    if hasattr(module, "gate_up_proj_q"):
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        kept = int(KEPT_SHARE * experts_call_bytes(CANVAS_ENTRIES, 2 * half_h, two_i // 2))
+    return elements // 2 + elements // group * 8 + layers * FC_BYTES + kept
+
+
+def experts_call_bytes(entries: int, hidden: int, intermediate: int) -> int:
+    """An experts graph's intermediate tensors for `entries` (token, expert) rows: fp32 input, gate|up, their
+    product and the output."""
+    return entries * (2 * hidden + 3 * intermediate) * 4
 
 
 def reserve_bytes(config) -> int:
     """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
     0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
-    intermediate tensors at a canvas (fp32, the top-k entries of each position: its input, gate|up, their
-    product and its output)."""
-    rows = config.canvas_length * config.top_k_experts
-    experts_call = rows * (2 * config.hidden_size + 3 * config.moe_intermediate_size) * 4
+    intermediate tensors at a canvas."""
+    entries = config.canvas_length * config.top_k_experts
+    experts_call = experts_call_bytes(entries, config.hidden_size, config.moe_intermediate_size)
     return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
 
 
