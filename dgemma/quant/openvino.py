@@ -33,10 +33,10 @@ unsigned codes, their alignment, nor its runtime cache's capacity changes that (
 graph would also keep the intermediate tensors of the largest call it has run: a canvas call hands them back
 as it returns (`RELEASE_ROWS`), so a step holds one graph's at a time (glibc keeps part of what they free,
 fragmented between torch's allocations: a 26B step still rises ~3 GiB over the resident set, against 0.9 on
-torch's kernels; the plan counts it, KEPT_SHARE). So the hand-over is planned (`plan`, `library_bytes`): in dgemma's groups of 32 where the
-process then stays within MEMORY_SHARE of the machine's memory, else the experts quantised again in groups of
-64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and as many layers as fit; the others keep
-dgemma's copy and torch's kernels.
+torch's kernels; the plan counts it, KEPT_SHARE). So the hand-over is planned (`plan`, `library_bytes`): in
+dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
+experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and as
+many layers as fit; the others keep dgemma's copy and torch's kernels.
 """
 
 from __future__ import annotations
