@@ -254,27 +254,38 @@ def _plot(rows, path, canvas_length: int):
 
 
 def _frontier(rows, path, title: str):
-    """Solved (with its 95% Wilson interval) against decoder positions per puzzle, a series per model and
-    refresh rule."""
+    """Solved (with its 95% Wilson interval) against decoder positions per puzzle: a colour per refresh rule, a
+    marker and line style per model; dashed, the bar the first model's cache off sets (the lower end of its
+    interval, half its positions)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = dict(zip(dict.fromkeys(r["model"] for r in rows), "osD^v"))
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    styles = {m: (marker, line) for m, marker, line in zip(models, "osD^v", ["-", "--", ":", "-.", "-"])}
+    colours = {"cache off": "black", "settle only": "C0", "periodic": "C1", "attention": "C2", "random": "C3",
+               "oldest": "C4"}
     for key in dict.fromkeys((r["model"], r["family"]) for r in rows):
         group = sorted((r for r in rows if (r["model"], r["family"]) == key),
                        key=lambda r: r["decoder_positions_per_puzzle"])
         x = [r["decoder_positions_per_puzzle"] for r in group]
         y = [100 * r["solved"] / r["total"] for r in group]
         err = [[yi - 100 * r["ci95"][0] for yi, r in zip(y, group)], [100 * r["ci95"][1] - yi for yi, r in zip(y, group)]]
-        ax.errorbar(x, y, yerr=err, marker=markers[key[0]], linestyle="-" if len(group) > 1 else "none", capsize=2,
-                    label=f"{key[0]}: {key[1]}")
+        marker, line = styles[key[0]]
+        ax.errorbar(x, y, yerr=err, marker=marker, linestyle=line if len(group) > 1 else "none", capsize=2,
+                    color=colours.get(key[1], "C5"), label=f"{key[0]}: {key[1]}")
+    off = next((r for r in rows if r["model"] == models[0] and r["settings"] is None), None)
+    if off is not None:
+        ax.axhline(100 * off["ci95"][0], color="grey", linestyle="--", linewidth=0.8)
+        ax.axvline(off["decoder_positions_per_puzzle"] / 2, color="grey", linestyle="--", linewidth=0.8)
+        ax.text(off["decoder_positions_per_puzzle"] / 2, 100 * off["ci95"][0], " bar: up and left of here",
+                fontsize=7, color="grey", va="bottom")
     ax.set_xlabel("decoder positions per puzzle")
     ax.set_ylabel("solved (%), 95% Wilson interval")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

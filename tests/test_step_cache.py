@@ -270,6 +270,30 @@ def test_settle_rule():
     assert cache.active(done).all()  # a refresh step computes everything
 
 
+def test_the_sampler_may_overwrite_a_steps_logits_without_touching_the_kept_ones():
+    """A whole step hands the sampler the forward's own logits, a partial step a copy of the kept ones: either
+    way what the sampler writes there is not what the next step keeps."""
+    from dgemma.generation.step_cache import StepCache
+
+    cache = StepCache(_sampling(step_cache=True), 2, 4, 3, "cpu")
+    canvas = torch.zeros(2, 4, dtype=torch.long)
+    whole = torch.ones(2, 4, dtype=torch.bool)
+    computed = torch.randn(8, 3)
+    step = cache.record(computed.clone(), whole.nonzero()[:, 1], [4, 4], canvas, whole)
+    assert torch.equal(step, computed.view(2, 4, 3)) and torch.equal(cache.logits, step)
+    step.fill_(-1.0)  # the sampler tempers, masks, overwrites
+    assert torch.equal(cache.logits, computed.view(2, 4, 3))
+    some = torch.tensor([[True, False, False, True], [False, True, False, False]])
+    fresh = torch.randn(3, 3)
+    step = cache.record(fresh.clone(), some.nonzero()[:, 1], [2, 1], canvas, some)
+    expected = computed.view(2, 4, 3).clone()
+    expected[some] = fresh
+    assert torch.equal(step, expected)
+    step.fill_(-1.0)
+    assert torch.equal(cache.logits, expected)
+    assert cache.decoder_positions == [6, 5]
+
+
 def test_generation_config_keeps_the_step_cache_in_its_dgemma_section(tmp_path):
     import json
 

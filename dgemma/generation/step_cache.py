@@ -97,16 +97,22 @@ class StepCache:
                canvas: torch.Tensor, active: torch.Tensor, read: torch.Tensor | None = None) -> torch.Tensor:
         """After a forward over this cache's `active` (B, L) positions: computed (N, V) fp32 their logits, packed
         row after row (None when N = 0), positions (N,) their canvas positions, counts each row's N, read (B, L)
-        the attention they put on each position (or None) -> the step's logits (B, L, V), a new buffer the
-        sampler may overwrite."""
-        if computed is not None:
+        the attention they put on each position (or None) -> the step's logits (B, L, V), a buffer the sampler
+        may overwrite (a copy of the kept logits, or the forward's own output when every position ran)."""
+        B, L = active.shape
+        # every position of every row ran (a first step, a refresh, a model that settles nothing): the packed order
+        # is the canvas's, so the computed logits are the step's as they are, kept by one copy (no scatter, no clone)
+        whole = computed is not None and computed.shape[0] == B * L and computed.dtype == self.logits.dtype
+        if whole:
+            self.logits.copy_(computed.view(B, L, -1))
+        elif computed is not None:
             rows = torch.arange(len(counts), device=positions.device)
             row_of = torch.repeat_interleave(rows, to_device(counts, torch.long, positions.device),
                                              output_size=positions.shape[0])
             self.logits[row_of, positions] = computed
         self._computed(canvas, active, counts)
         self.read = read
-        return self.logits.clone()
+        return computed.view(B, L, -1) if whole else self.logits.clone()
 
     def _computed(self, canvas: torch.Tensor, active: torch.Tensor, counts: list[int]):
         self.kept = self.settled & ~active
