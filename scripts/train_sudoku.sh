@@ -18,7 +18,7 @@
 #   stage cache-aware  (STAGE=cache-aware) a model trained to read the step cache's kept keys/values: from the
 #            shipped model (INIT_CA, default dgemma/assets/sudoku), seed 3, on DATA3 with --cache-aware 0.5
 #            (docs/training.md), a new cosine from 1e-4 over STEPS_CA = 400 steps (20 warmup steps), bf16
-#            autocast. About 1.25x a plain step: ~30 minutes on the idle 2 cores. Its export turns the step cache on
+#            autocast. About 1.1x a plain step: ~23 minutes on the idle 2 cores. Its export turns the step cache on
 #            (its generation_config.json says how it was trained); benchmarks/README.md measures it.
 #
 # The AR baseline is stage 1 with OBJECTIVE=ar UNTIL=1500 STAGE=1: the same data in the same order for the
