@@ -268,7 +268,9 @@ def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
     dense = _dense_experts(experts)
     chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
     held = openvino.held_bytes(m for m, _ in chosen)
-    size = {g: sum(openvino.library_bytes(m, g if p == "experts" else 32) for m, p in chosen) for g in (32, 64)}
+    entries = openvino.canvas_entries(model.config)
+    size = {g: sum(openvino.library_bytes(m, g if p == "experts" else 32, entries) for m, p in chosen)
+            for g in (32, 64)}
     assert size[64] < size[32]
     monkeypatch.setattr(processes, "resident_memory", lambda: {"rss": held})
     monkeypatch.setattr(devices, "available_host_memory", lambda: 1 << 40)
@@ -293,7 +295,8 @@ def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
     held = openvino.held_bytes(m for m, _ in chosen)
 
     def growth(pairs):
-        return sum(openvino.library_bytes(m, 32) - openvino.held_bytes([m]) for m, _ in pairs)
+        entries = openvino.canvas_entries(model.config)
+        return sum(openvino.library_bytes(m, 32, entries) - openvino.held_bytes([m]) for m, _ in pairs)
 
     linears, experts = [c for c in chosen if c[1] == "linears"], [c for c in chosen if c[1] == "experts"]
     room = growth(linears) + growth(experts[:1]) + 1  # the linears and one layer's experts (groups of 32: tiny)

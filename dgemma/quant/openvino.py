@@ -63,8 +63,6 @@ RELEASE_ROWS = 64
 # 20.0 against 20.07 at 30): the step's peak over torch's is 80-90 MiB a layer, and `library_bytes`' copy
 # term runs high by about the rest (benchmarks/README.md)
 KEPT_SHARE = 2 / 3
-# (token, expert) entries of a batch-1 canvas (256 positions, top-8 routing), for `library_bytes`
-CANVAS_ENTRIES = 256 * 8
 # The hand-over plans the process's memory within this share of the machine's (and what is available):
 # on a 24 GB machine, 20 GiB
 MEMORY_SHARE = 0.85
@@ -312,20 +310,25 @@ def release(module: nn.Module, names: tuple[str, ...]):
     module.weights_in_library = True
 
 
-def library_bytes(module: nn.Module, group: int) -> int:
+def library_bytes(module: nn.Module, group: int, entries: int) -> int:
     """What a module costs once handed over in groups of `group` (measured, benchmarks/README.md): the int4
     codes, two fp32 numbers per group (its scale, converted, and the kernel's transposed copy) and FC_BYTES
     per fully connected layer that OpenVINO holds, and for routed experts what glibc keeps of their canvas
-    call (KEPT_SHARE). A call's intermediate tensors are handed back as it returns (RELEASE_ROWS): the step's
-    reserve holds the largest (`reserve_bytes`)."""
+    call of `entries` rows (KEPT_SHARE, `canvas_entries`). A call's intermediate tensors are handed back as it
+    returns (RELEASE_ROWS): the step's reserve holds the largest (`reserve_bytes`)."""
     weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
     elements = sum(2 * q.numel() for q in weights)
     layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
     kept = 0
     if hasattr(module, "gate_up_proj_q"):
         E, two_i, half_h = module.gate_up_proj_q.shape
-        kept = int(KEPT_SHARE * experts_call_bytes(CANVAS_ENTRIES, 2 * half_h, two_i // 2))
+        kept = int(KEPT_SHARE * experts_call_bytes(entries, 2 * half_h, two_i // 2))
     return elements // 2 + elements // group * 8 + layers * FC_BYTES + kept
+
+
+def canvas_entries(config) -> int:
+    """The (token, expert) rows a batch-1 canvas routes: what an experts graph's canvas call holds."""
+    return config.canvas_length * config.top_k_experts
 
 
 def experts_call_bytes(entries: int, hidden: int, intermediate: int) -> int:
@@ -338,25 +341,26 @@ def reserve_bytes(config) -> int:
     """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
     0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
     intermediate tensors at a canvas."""
-    entries = config.canvas_length * config.top_k_experts
-    experts_call = experts_call_bytes(entries, config.hidden_size, config.moe_intermediate_size)
+    experts_call = experts_call_bytes(canvas_entries(config), config.hidden_size, config.moe_intermediate_size)
     return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
 
 
-def plan(chosen: list, reserve: int) -> tuple[int, list]:
+def plan(chosen: list, config) -> tuple[int, list]:
     """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
-    process stays within MEMORY_SHARE of the machine's memory and within what is available, with `reserve`
-    bytes left for a step's activations. Every linear layer first (a few percent of the weights, as fast a
-    gain as the experts' per layer), then the experts: all of them in dgemma's groups of 32, else in groups
-    of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32) where nothing does."""
+    process stays within MEMORY_SHARE of the machine's memory and within what is available, with a step's
+    activations (`reserve_bytes` of the model's `config`) left free. Every linear layer first (a few percent of
+    the weights, as fast a gain as the experts' per layer), then the experts: all of them in dgemma's groups of
+    32, else in groups of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32)
+    where nothing does."""
     from dgemma import devices
 
     rss = processes.resident_memory()["rss"]
     ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
-    room = ceiling - reserve - rss  # what the hand-over may add
+    room = ceiling - reserve_bytes(config) - rss  # what the hand-over may add
+    entries = canvas_entries(config)
 
     def growth(module, part, group):
-        return library_bytes(module, group if part == "experts" else GROUP) - held_bytes([module])
+        return library_bytes(module, group if part == "experts" else GROUP, entries) - held_bytes([module])
 
     linears = [(m, p) for m, p in chosen if p == "linears"]
     experts = [(m, p) for m, p in chosen if p == "experts"]
@@ -391,7 +395,7 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
     chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
     if not chosen:
         return {}
-    group, taken = plan(chosen, reserve_bytes(model.config))
+    group, taken = plan(chosen, model.config)
     if len(taken) < len(chosen):
         print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
               f"copy of them would not fit the memory (within {MEMORY_SHARE:.0%} of it, and what is available)",
