@@ -104,7 +104,8 @@ class StepCache:
         # is the canvas's, so the computed logits are the step's as they are, kept by one copy (no scatter, no clone)
         whole = computed is not None and computed.shape[0] == B * L and computed.dtype == self.logits.dtype
         if whole:
-            self.logits.copy_(computed.view(B, L, -1))
+            step = computed.view(B, L, -1)
+            self.logits.copy_(step)
         elif computed is not None:
             rows = torch.arange(len(counts), device=positions.device)
             row_of = torch.repeat_interleave(rows, to_device(counts, torch.long, positions.device),
@@ -112,7 +113,7 @@ class StepCache:
             self.logits[row_of, positions] = computed
         self._computed(canvas, active, counts)
         self.read = read
-        return computed.view(B, L, -1) if whole else self.logits.clone()
+        return step if whole else self.logits.clone()
 
     def _computed(self, canvas: torch.Tensor, active: torch.Tensor, counts: list[int]):
         self.kept = self.settled & ~active
