@@ -11,7 +11,7 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError, SamplingConfig
-from dgemma.engine import Engine
+from dgemma.engine import Engine, Request
 from dgemma.generation import CanvasTemplate, generate
 from dgemma.sampling.block_refinement import commit_target
 from tests.test_generate_loop import FIRST_PLAIN, MockModel
@@ -259,18 +259,45 @@ def test_bench_times_several_samplers_side_by_side(capsys):
 
 
 # -- the server -----------------------------------------------------------------------------------------
-def test_server_takes_the_sampler_per_request_and_streams_edits_and_corrector_sweeps(tiny_model_dir):
-    """`sampler` and its settings on a request: the streamed answer equals the plain one, its drafts mark DDIM's
-    corrector sweeps and block refinement's edits; OpenAI's temperature changes nothing with the entropy bound;
-    the model card says the default sampler."""
+DRAFT_MARKS = ((dict(sampler="ddim", corrector_steps=1, corrector_k=3, temperature=1.0), "corrected"),
+               (dict(sampler="block-refinement", editing_threshold=0.01, temperature=1.0), "edited"))
+
+
+def _phase(sampler: str, forward: int) -> str:
+    """The phase of a canvas's `forward`-th decoder forward (1, 2, ...) at 7 steps and one DDIM corrector sweep:
+    a sweep after each of the first 3 predictor steps."""
+    return "corrector" if sampler == "ddim" and forward % 2 == 0 else "predictor"
+
+
+@pytest.mark.parametrize("fields,mark", DRAFT_MARKS, ids=["ddim", "block-refinement"])
+def test_every_forward_reports_a_draft_with_its_phase_and_its_marks(model, fields, mark):
+    """In process every decoder forward reports its draft: DDIM's corrector sweeps say so and mark the k positions
+    they drew again; block refinement marks the committed tokens it replaced."""
+    events = []
+    sampling = _sampling(max_new_tokens=16, eos_token_ids=(999,), **fields)
+    request = Request(prompt=[5, 6, 7], sampling=sampling, seed=3, want_drafts=True, on_event=events.append)
+    engine = Engine(model, max_batch=2)
+    engine.submit(request)
+    engine.run_until_done([request])
+    drafts = [e for e in events if e.kind == "draft"]
+    assert request.steps_per_canvas == [7] and [d.step for d in drafts] == list(range(7))
+    assert [d.phase for d in drafts] == [_phase(fields["sampler"], d.step + 1) for d in drafts]
+    assert any(any(getattr(d, mark)) for d in drafts), mark
+    if fields["sampler"] == "ddim":
+        assert [sum(d.corrected) for d in drafts] == [3 if d.phase == "corrector" else 0 for d in drafts]
+
+
+def test_server_takes_the_sampler_per_request_and_streams_its_drafts(tiny_model_dir):
+    """`sampler` and its settings on a request: the streamed answer equals the plain one, its drafts say each
+    forward's phase (a reader the engine outpaces gets only the newest draft, never a canvas's last); OpenAI's
+    temperature changes nothing with the entropy bound; the model card says the default sampler."""
     from tests.test_server import MODEL, ServerProcess
 
     server = ServerProcess(tiny_model_dir, api_key=None)
     try:
         client = server.client()
         assert server.client().models.retrieve(MODEL).model_extra["dgemma"]["defaults"]["sampler"] == "entropy-bound"
-        for fields, mark in ((dict(sampler="ddim", corrector_steps=1, corrector_k=3, temperature=1.0), "corrected"),
-                             (dict(sampler="block-refinement", editing_threshold=0.01, temperature=1.0), "edited")):
+        for fields, _ in DRAFT_MARKS:
             body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=16, seed=3)
             extra = dict(steps=7, **fields)
             plain = client.completions.create(**body, extra_body=extra)
@@ -283,15 +310,13 @@ def test_server_takes_the_sampler_per_request_and_streams_edits_and_corrector_sw
                     drafts.append(draft)
                 text += choice.text or ""
             assert text == plain.choices[0].text
-            assert plain.model_extra["dgemma"]["steps_per_canvas"][0] == 7
-            assert len(drafts) == 7 * plain.model_extra["dgemma"]["canvases"]
-            assert any(any(d[mark]) for d in drafts), mark
-            phases = [d["phase"] for d in drafts[:7]]
-            if fields["sampler"] == "ddim":  # 7 forwards, one sweep each after the first 3 predictor steps
-                assert phases == ["predictor", "corrector"] * 3 + ["predictor"]
-                assert all(sum(d["corrected"]) == 3 for d in drafts if d["phase"] == "corrector")
-            else:
-                assert phases == ["predictor"] * 7
+            canvases = plain.model_extra["dgemma"]["canvases"]
+            assert plain.model_extra["dgemma"]["steps_per_canvas"] == [7] * canvases
+            for canvas in range(canvases):
+                steps = [d["step"] for d in drafts if d["canvas"] == canvas]
+                assert steps == sorted(set(steps)) and steps[-1] == 7 and steps[0] >= 1
+            assert [d["phase"] for d in drafts] == [_phase(fields["sampler"], d["step"]) for d in drafts]
+            assert all(sum(d["corrected"]) == (3 if d["phase"] == "corrector" else 0) for d in drafts)
         same = [client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, seed=4, **t).choices[0].text
                 for t in ({}, {"temperature": 0.7})]
         assert same[0] == same[1]  # the entropy bound anneals its own temperature
