@@ -8,7 +8,8 @@ prefill, an AR token, a denoising step of the 256-token canvas fed self-conditio
 step after the first), the step cache's step with 25 / 50 / 75% of the canvas active (`decode_active`),
 and the parts of a step: one layer's attention projections (sliding, full), dense MLP and routed experts
 (canvas and one token), the LM head and the soft embedding; then peak RSS, the load average and the
-tokens/s those imply. Each piece is timed once after one untimed call.
+tokens/s those imply (peak RSS also before the parts: what a user's process reaches). Each piece is timed once
+after one untimed call.
 
     python benchmarks/cpu_26b.py [--layers 30] [--steps 16] [--systems torch,library]
     python benchmarks/cpu_26b.py --end-to-end [--repeats 1]   # `dgemma bench` per system instead (~30 min each)
@@ -90,6 +91,8 @@ def measure(args) -> dict:
             pack = PackedPositions.from_mask(active)
             out[f"step_{int(f * 100)}pct_active_s"] = timed(
                 lambda pack=pack: model.decode_active(canvas, cache, pack, self_conditioning=sc))
+        # the peak of what a user's process does (build, hand-over, prefill, AR, steps), before the parts' calls
+        out["peak_rss_before_parts_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out["parts"] = parts(model, x, probs)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["load_after"] = os.getloadavg()[0]
@@ -163,6 +166,8 @@ def table(results: dict, end_to_end_run: bool):
             row(part + ", s (speed-up)", part, inverse=True, get=lambda r, k: r["parts"][k])
     else:
         row("ms per step", "ms_per_step", "{:.0f}", inverse=True)
+    if not end_to_end_run:
+        row("peak RSS before the parts, GiB", "peak_rss_before_parts_bytes", gib, get=lambda r, k: r[k] / 2**30)
     row("peak RSS, GiB", "peak_rss_bytes", gib, get=lambda r, k: r[k] / 2**30)
     row("diffusion tok/s", "diffusion_tokens_per_s")
     row("AR tok/s", "ar_tokens_per_s")

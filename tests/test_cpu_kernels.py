@@ -99,23 +99,54 @@ def test_canvas_calls_hand_their_intermediate_tensors_back():
     one-row call keeps its few bytes and skips the release; a call after a release gives the same product."""
     model = _tiny_int4(torch.bfloat16)
     int8_compute.enable(model, "on", library="openvino")
-    graph = model.layers[1].experts.library
-    released, compiled = [], graph.compiled
+    library = model.layers[1].experts.library
+    released = []
 
     class Counted:
+        def __init__(self, compiled):
+            self.compiled = compiled
+
         def release_memory(self):
             released.append(True)
-            compiled.release_memory()
+            self.compiled.release_memory()
 
-    graph.compiled = Counted()
+    for graph in library.graphs:
+        graph.compiled = Counted(graph.compiled)
     g = torch.Generator().manual_seed(5)
-    many, one = [openvino.RELEASE_ROWS // 4] * 4, [1, 0, 0, 0]
+    many = [openvino.RELEASE_ROWS] * library.num_experts  # every graph gets RELEASE_ROWS rows or more
+    one = [1] + [0] * (library.num_experts - 1)
     rows, row = torch.randn(sum(many), 64, generator=g).bfloat16(), torch.randn(1, 64, generator=g).bfloat16()
-    first = graph(rows, many)
-    assert released == [True]
-    graph(row, one)
-    assert released == [True]
-    assert torch.equal(graph(rows, many), first) and released == [True, True]
+    first = library(rows, many)
+    assert len(released) == len(library.graphs)
+    library(row, one)
+    assert len(released) == len(library.graphs)
+    assert torch.equal(library(rows, many), first) and len(released) == 2 * len(library.graphs)
+
+
+@needs_openvino
+@torch.no_grad()
+def test_experts_run_as_one_graph_per_thread_with_the_same_products():
+    """A layer's experts go to as many graphs as threads (at most one per expert), consecutive experts each, one
+    thread each, run at once: every split gives the one graph's products exactly, whichever graphs have rows
+    (one row, a graph with none, uneven rows); the kernels line says the split."""
+    counts_list = ([1, 0, 0, 0], [0, 0, 5, 3], [20, 0, 13, 7], [3, 9, 1, 30])
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(sum(c), 64, generator=g).bfloat16() for c in counts_list]
+    products = {}
+    for threads in (1, 2, 3, 8):
+        experts = _tiny_int4(torch.bfloat16).layers[1].experts
+        library = openvino.LibraryExperts(experts, threads)
+        E = library.num_experts
+        assert len(library.graphs) == min(threads, E)
+        assert [(graph.first, graph.last) for graph in library.graphs] == \
+            [(E * i // len(library.graphs), E * (i + 1) // len(library.graphs)) for i in range(len(library.graphs))]
+        layouts = {1: "one graph per layer", 2: "2 graphs per layer, 2 experts and 1 thread each, side by side",
+                   3: "3 graphs per layer, 1-2 experts and 1 thread each, side by side",
+                   8: "4 graphs per layer, 1 expert and 2 threads each, side by side"}
+        assert library.layout == layouts[threads]
+        products[threads] = [library(x, c) for x, c in zip(inputs, counts_list)]
+    for threads in (2, 3, 8):
+        assert all(torch.equal(a, b) for a, b in zip(products[threads], products[1])), threads
 
 
 @needs_openvino
@@ -307,6 +338,8 @@ def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
     int8_compute.enable(model, "on", library="openvino")
     on = [block.experts.library is not None for block in model.layers]
     assert on == [True, False, False, False]
-    assert f"{len(chosen) - len(linears) - 1} of {len(chosen)} int4 weights stay" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{len(chosen) - len(linears) - 1} of {len(chosen)} int4 weights stay" in err
+    assert f"(the process may use {(int(total) + 1) * openvino.MEMORY_SHARE / 2**30:.2f} GiB: 85% of the machine's" in err
     assert "in 1 of 4 layers, the others torch int4" in kernels.kernels(model, 16)["experts"]
     assert not model.layers[1].experts.gate_up_proj_q.is_meta  # dgemma's copy, still in use

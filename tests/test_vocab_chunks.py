@@ -1,5 +1,6 @@
 """The LM head and the self-conditioning embedding work a block of positions at a time; the block follows
-the device: the whole canvas in one matmul on a GPU when the temporary fits, never a handful of rows."""
+the device: the whole canvas in one matmul on a GPU when the temporary fits, never a handful of rows. On a
+CPU the head also takes a slice of the table at a time."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def test_blocks_give_the_one_matmul_result(monkeypatch):
     whole = model.head(hidden)
     assert chosen == [48]  # tiny vocabulary: every position in one block unless forced
     assert torch.equal(blocked, whole)
+    # on a CPU each block against a slice of the table at a time (the (block, slice) temporary): the same logits
+    monkeypatch.setattr(network, "HEAD_SLICE_ELEMENTS", 5 * 7)  # blocks of 5 positions, slices of 7 entries
+    monkeypatch.setattr(network, "device_vocab_chunk_rows", lambda *a, **k: 5)
+    assert model.config.vocab_size % 7 and torch.equal(model.head(hidden), whole)
     # the runner's self-conditioning embedding against the model's one-shot one
     from dgemma.engine import runner as runner_module
     from dgemma.engine.runner import Runner

@@ -29,8 +29,8 @@ def _quantised_kernel(module: nn.Module, rows: int) -> str:
     """What a QuantLinear / QuantExperts runs for a product of `rows` rows (experts: per expert)."""
     dtype = str(module.compute_dtype).replace("torch.", "")
     if module.library is not None:
-        graph = "one graph per layer" if isinstance(module, QuantExperts) else "one graph per weight"
-        return (f"OpenVINO int4 x {module.library.activations}, groups of {module.library.group} ({graph}; its copy "
+        library = module.library
+        return (f"OpenVINO int4 x {library.activations}, groups of {library.group} ({library.layout}; its copy "
                 "is the only one)")
     if module.int8 is not None:
         if module.fmt == "int8":

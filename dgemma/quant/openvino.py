@@ -7,11 +7,14 @@ expert's ~16 rows, the 256 rows of an attention projection or a dense MLP; torch
 one row. So where it is installed, int8 compute on a CPU (`dgemma.quant.int8_compute.enable`) hands
 the int4 weights to it, part by part (`takes`), as compiled graphs:
 
-  routed experts (`LibraryExperts`), one graph per layer:
-    x (R, H): the (token, choice) entries sorted by expert;  offsets (E + 1,) int64: where each starts
+  routed experts (`LibraryExperts`), per layer one graph per thread over consecutive experts:
+    x (R, H): its experts' (token, choice) entries, sorted by expert;  offsets (E/T + 1,) int64: where each starts
     for expert e: rows x[offsets[e] : offsets[e + 1]]
         -> int4 gate|up (2I, H), group scales -> gelu_tanh(gate) * up -> int4 down (H, I)
     y (R, H): the experts' outputs, in the same order
+  each graph on one thread, all of a layer's at once, on views of one input and one output (an expert's ~16
+  rows are too few to share a product between threads: on 2 cores two one-thread graphs are 1.15x one
+  two-thread graph at a canvas and 2x at one token, benchmarks/README.md)
   a linear layer (`LibraryLinear`: attention projections, dense MLPs), one graph each: x (M, K) -> (M, N)
 
 The codes are dgemma's (two's-complement nibbles, `formats.quantize_tensor`, or read back from torch's int4
@@ -42,6 +45,7 @@ many layers as fit; the others keep dgemma's copy and torch's kernels.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import torch
 from torch import nn
@@ -216,16 +220,24 @@ class _Graph:
             return ov.Tensor(t.view(torch.int16).numpy(), ov.Shape(list(t.shape)), ov.Type.bf16)
         return ov.Tensor(t.numpy(), shared_memory=True)
 
-    def run(self, x: torch.Tensor, *others: torch.Tensor, out_features: int) -> torch.Tensor:
-        x = x.to(self.dtype).contiguous()
-        out = torch.empty(x.shape[0], out_features, dtype=self.dtype)
+    def bind(self, x: torch.Tensor, *others: torch.Tensor, out: torch.Tensor):
+        """The next call's input, other inputs and output, as views of these tensors (contiguous, `self.dtype`)."""
         self.request.set_input_tensor(0, self.tensor(x))
         for i, other in enumerate(others, start=1):
             self.request.set_input_tensor(i, self.tensor(other))
         self.request.set_output_tensor(self.tensor(out))
+
+    def done(self, rows: int):
+        """After a call of `rows` rows: a canvas call hands its intermediate tensors back (see RELEASE_ROWS)."""
+        if rows >= RELEASE_ROWS:
+            self.compiled.release_memory()
+
+    def run(self, x: torch.Tensor, *others: torch.Tensor, out_features: int) -> torch.Tensor:
+        x = x.to(self.dtype).contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=self.dtype)
+        self.bind(x, *others, out=out)
         self.request.infer()
-        if x.shape[0] >= RELEASE_ROWS:
-            self.compiled.release_memory()  # its intermediate tensors, free for the next graph (see RELEASE_ROWS)
+        self.done(x.shape[0])
         return out
 
     def repacked(self):
@@ -233,22 +245,20 @@ class _Graph:
         self.keep.clear()
 
 
-class LibraryExperts(_Graph):
-    """One compiled graph for a QuantExperts' E experts (see the module docstring); releases the module's codes."""
+class _ExpertsGraph(_Graph):
+    """Experts first..last-1 of a stack as one compiled graph: x (R, H) sorted by expert, offsets (last - first + 1,)
+    -> (R, H) (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
+    def __init__(self, plain: dict, dtype: torch.dtype, group: int, first: int, last: int, threads: int):
         import numpy as np
         import openvino.opset13 as ops
 
-        super().__init__(module.compute_dtype, group)
-        E, two_i, half_h = module.gate_up_proj_q.shape
-        H, kernel = 2 * half_h, bool(module.kernel_layout)
+        super().__init__(dtype, group)
+        self.first, self.last = first, last
+        H = 2 * plain["gate_up_proj"][0].shape[-1]
         x = ops.parameter([-1, H], self.io_type, name="x")
-        offsets = ops.parameter([E + 1], self.ov.Type.i64, name="offsets")
+        offsets = ops.parameter([last - first + 1], self.ov.Type.i64, name="offsets")
         rows = ops.convert(x, self.ov.Type.f32)
-
-        plain = {name: library_stack(getattr(module, f"{name}_q"), getattr(module, f"{name}_scales"), kernel, group)
-                 for name in ("gate_up_proj", "down_proj")}
 
         def product(inputs, name: str, e: int):
             codes, s = plain[name]
@@ -258,24 +268,60 @@ class LibraryExperts(_Graph):
             return ops.constant(np.array([i], dtype=np.int64))
 
         outputs = []
-        for e in range(E):
-            start = ops.slice(offsets, index(e), index(e + 1), index(1))
-            stop = ops.slice(offsets, index(e + 1), index(e + 2), index(1))
+        for j, e in enumerate(range(first, last)):
+            start = ops.slice(offsets, index(j), index(j + 1), index(1))
+            stop = ops.slice(offsets, index(j + 1), index(j + 2), index(1))
             gate, up = ops.split(product(ops.slice(rows, start, stop, index(1), index(0)), "gate_up_proj", e),
                                  ops.constant(np.int64(1)), 2).outputs()
             outputs.append(product(ops.multiply(ops.gelu(gate, "tanh"), up), "down_proj", e))
         self.compile(ops.concat(outputs, 0), [x, offsets], threads, "experts")
-        self.num_experts, self.hidden = E, H
-        self(torch.zeros(E, H, dtype=self.dtype), [1] * E)  # one row per expert: every layer repacks
-        self.repacked()
+
+
+class LibraryExperts:
+    """A QuantExperts' E experts as compiled graphs over consecutive experts, as many as the threads, each on one
+    thread, run side by side (see the module docstring); releases the module's codes."""
+
+    def __init__(self, module: nn.Module, threads: int, group: int = GROUP):
+        E, two_i, half_h = module.gate_up_proj_q.shape
+        kernel = bool(module.kernel_layout)
+        plain = {name: library_stack(getattr(module, f"{name}_q"), getattr(module, f"{name}_scales"), kernel, group)
+                 for name in ("gate_up_proj", "down_proj")}
+        count, each = max(1, min(threads, E)), max(1, threads // max(1, min(threads, E)))
+        bounds = [E * i // count for i in range(count + 1)]
+        self.graphs = [_ExpertsGraph(plain, module.compute_dtype, group, first, last, each)
+                       for first, last in zip(bounds, bounds[1:])]
+        self.num_experts, self.hidden, self.group = E, 2 * half_h, group
+        self.dtype, self.activations = self.graphs[0].dtype, self.graphs[0].activations
+        sizes = sorted({last - first for first, last in zip(bounds, bounds[1:])})
+        experts = f"{'-'.join(map(str, sizes))} expert{'s' if sizes[-1] > 1 else ''}"
+        threads_each = f"{each} thread{'s' if each > 1 else ''}"
+        self.layout = ("one graph per layer" if count == 1 else
+                       f"{count} graphs per layer, {experts} and {threads_each} each, side by side")
+        self(torch.zeros(E, self.hidden, dtype=self.dtype), [1] * E)  # one row per expert: every graph repacks
+        for graph in self.graphs:
+            graph.repacked()
         release(module, ("gate_up_proj_q", "down_proj_q", "gate_up_proj_scales", "down_proj_scales"))
 
     @torch.compiler.disable
     def __call__(self, grouped_x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """grouped_x (R, H), rows sorted by expert (counts[e] rows each) -> the experts' outputs (R, H)."""
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(counts).cumsum(0)
-        return self.run(grouped_x, offsets, out_features=self.hidden).to(grouped_x.dtype)
+        """grouped_x (R, H), rows sorted by expert (counts[e] rows each) -> the experts' outputs (R, H). Each graph
+        reads and writes its experts' rows in place (views); they run at once and the call waits for all."""
+        x = grouped_x.to(self.dtype).contiguous()
+        out = torch.empty(x.shape[0], self.hidden, dtype=self.dtype)
+        starts = [0, *itertools.accumulate(counts)]
+        running = []
+        for graph in self.graphs:
+            a, b = starts[graph.first], starts[graph.last]
+            if a == b:
+                continue  # none of its experts has a row
+            offsets = torch.tensor(starts[graph.first : graph.last + 1], dtype=torch.int64).sub_(a)
+            graph.bind(x[a:b], offsets, out=out[a:b])
+            graph.request.start_async()
+            running.append((graph, offsets))  # the offsets stay alive until the graph has read them
+        for graph, offsets in running:
+            graph.request.wait()
+            graph.done(int(offsets[-1]))
+        return out.to(grouped_x.dtype)
 
 
 class LibraryLinear(_Graph):
@@ -292,6 +338,7 @@ class LibraryLinear(_Graph):
         w = self.weight(plain_codes(module.qweight, kernel), plain_scales(module.scales, kernel))
         self.compile(ops.matmul(ops.convert(x, self.ov.Type.f32), w, False, True), [x], threads, "linear")
         self.in_features, self.out_features = K, N
+        self.layout = "one graph per weight"
         self(torch.zeros(1, K, dtype=self.dtype))
         self.repacked()
         release(module, ("qweight", "scales"))
@@ -338,24 +385,28 @@ def experts_call_bytes(entries: int, hidden: int, intermediate: int) -> int:
 
 
 def reserve_bytes(config) -> int:
-    """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
-    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
-    intermediate tensors at a canvas."""
+    """What a batch-1 step adds to the weights: its fp32 (L, V) logits, the self-conditioning probabilities and
+    the soft embedding's bf16 copy of them (2.5 fp32 (L, V) buffers; the LM head's bf16 output is a slice at a
+    time, `network.HEAD_SLICE_ELEMENTS`) and the rest (a step on torch's kernels rises 0.84-0.87 GiB over the
+    resident set at the 26B's shape), and one experts graph's intermediate tensors at a canvas."""
     experts_call = experts_call_bytes(canvas_entries(config), config.hidden_size, config.moe_intermediate_size)
-    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
+    return 5 * config.canvas_length * config.vocab_size * 2 + (256 << 20) + experts_call
 
 
-def plan(chosen: list, config) -> tuple[int, list]:
+def plan(chosen: list, config) -> tuple[int, list, str]:
     """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
     process stays within MEMORY_SHARE of the machine's memory and within what is available, with a step's
     activations (`reserve_bytes` of the model's `config`) left free. Every linear layer first (a few percent of
     the weights, as fast a gain as the experts' per layer), then the experts: all of them in dgemma's groups of
     32, else in groups of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32)
-    where nothing does."""
+    where nothing does. The third value says what bounded the process, in words."""
     from dgemma import devices
 
-    rss = processes.resident_memory()["rss"]
-    ceiling = min(rss + devices.available_host_memory(), int(MEMORY_SHARE * devices.total_host_memory()))
+    rss, available, total = processes.resident_memory()["rss"], devices.available_host_memory(), \
+        devices.total_host_memory()
+    ceiling = min(rss + available, int(MEMORY_SHARE * total))
+    bound = (f"{ceiling / 2**30:.2f} GiB: " + (f"{MEMORY_SHARE:.0%} of the machine's {total / 2**30:.2f} GiB"
+             if ceiling < rss + available else f"{rss / 2**30:.2f} GiB resident and {available / 2**30:.2f} available"))
     room = ceiling - reserve_bytes(config) - rss  # what the hand-over may add
     entries = canvas_entries(config)
 
@@ -367,14 +418,14 @@ def plan(chosen: list, config) -> tuple[int, list]:
     groups = [GROUP] + ([2 * GROUP] if experts and all(_groups_divide(m, 2 * GROUP) for m, _ in experts) else [])
     for group in groups:
         if sum(growth(m, p, group) for m, p in chosen) <= room:
-            return group, chosen
+            return group, chosen, bound
     taken, group = [], groups[-1]
     for module, part in linears + experts:
         cost = growth(module, part, group)
         if cost <= room:
             taken.append((module, part))
             room -= cost
-    return group, taken
+    return group, taken, bound
 
 
 def _groups_divide(module: nn.Module, group: int) -> bool:
@@ -395,11 +446,10 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
     chosen = [(m, part) for m in model.modules() if (part := takes(m, everything))]
     if not chosen:
         return {}
-    group, taken = plan(chosen, model.config)
+    group, taken, bound = plan(chosen, model.config)
     if len(taken) < len(chosen):
         print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
-              f"copy of them would not fit the memory (within {MEMORY_SHARE:.0%} of it, and what is available)",
-              file=sys.stderr)
+              f"copy of them would not fit the memory (the process may use {bound})", file=sys.stderr)
     counts = dict.fromkeys(PARTS, 0)
     for module, part in taken:
         if part == "experts":
