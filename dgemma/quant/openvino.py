@@ -385,12 +385,11 @@ def experts_call_bytes(entries: int, hidden: int, intermediate: int) -> int:
 
 
 def reserve_bytes(config) -> int:
-    """What a batch-1 step adds to the weights: its fp32 (L, V) logits, the self-conditioning probabilities and
-    the soft embedding's bf16 copy of them (2.5 fp32 (L, V) buffers; the LM head's bf16 output is a slice at a
-    time, `network.HEAD_SLICE_ELEMENTS`) and the rest (a step on torch's kernels rises 0.84-0.87 GiB over the
-    resident set at the 26B's shape), and one experts graph's intermediate tensors at a canvas."""
+    """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
+    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
+    intermediate tensors at a canvas."""
     experts_call = experts_call_bytes(canvas_entries(config), config.hidden_size, config.moe_intermediate_size)
-    return 5 * config.canvas_length * config.vocab_size * 2 + (256 << 20) + experts_call
+    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
 
 
 def plan(chosen: list, config) -> tuple[int, list, str]:
