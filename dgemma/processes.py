@@ -84,8 +84,9 @@ def release_freed_memory():
     """glibc: hand freed heap memory back to the kernel now (malloc_trim). `dgemma bench` does this before
     every timed run, so that resident memory before a run is what is live and the run's own allocations
     show in its peak even while freed memory is kept for reuse (dgemma.engine.allocator.keep_freed_memory);
-    a hand-over to a kernel library does it after each experts layer it gives away, so that what it freed
-    is not kept beside what the library allocates next."""
+    a hand-over to a kernel library does it before it plans (so that the resident memory it counts is what
+    is live) and after each experts layer it gives away, so that what it freed is not kept beside what the
+    library allocates next."""
     libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)

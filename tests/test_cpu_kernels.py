@@ -317,6 +317,18 @@ def test_experts_go_over_in_groups_of_64_where_32_do_not_fit(monkeypatch):
     assert F.cosine_similarity(out, _reference(grouped, counts, dense), dim=-1).min() >= 0.99
 
 
+def test_the_plan_counts_the_live_memory_not_what_glibc_kept(monkeypatch):
+    """The plan collects garbage and hands freed heap memory back before it reads the resident set: what a load
+    left behind is not live, and counted it would leave layers on torch's kernels for nothing."""
+    model = _tiny_int4(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(processes, "release_freed_memory", lambda: calls.append("release"))
+    monkeypatch.setattr(processes, "resident_memory", lambda: calls.append("rss") or {"rss": 1 << 30})
+    chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
+    openvino.plan(chosen, model.config)
+    assert calls[:2] == ["release", "rss"]
+
+
 @needs_openvino
 def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
     """Where not every layer's experts fit, the linears and as many experts as fit go over, the rest keep
