@@ -97,8 +97,10 @@ def _launch(ranks: int, argv: list[str]) -> int:
     try:
         run(launcher)
     except ChildFailedError as e:
-        # the rank that failed first, not those the launcher then stopped (SIGTERM)
-        rank, failure = min(e.failures.items(), key=lambda f: (f[1].signal_name() == "SIGTERM", f[1].timestamp, f[0]))
+        # the rank that failed first, not those the launcher then stopped (SIGTERM), nor rank 0 leaving because it
+        # lost the others (LOST_RANKS_EXIT): the monitor can see both in one pass, rank 0's exit first
+        rank, failure = min(e.failures.items(), key=lambda f: (f[1].signal_name() == "SIGTERM",
+                                                               f[1].exitcode == LOST_RANKS_EXIT, f[1].timestamp, f[0]))
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         if failure.exitcode == LOST_RANKS_EXIT:  # rank 0 said which rank went silent, in its own line
             return 1
