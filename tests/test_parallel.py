@@ -651,13 +651,14 @@ def get_26b():
     return dgemma.get_preset("diffusiongemma-26b-a4b")
 
 
-def test_the_launcher_names_the_killed_rank_when_rank_0_left_in_the_same_pass(monkeypatch, capsys):
+def test_the_launcher_names_the_killed_rank_when_rank_0_left_in_the_same_pass(gemma4_chat_model_dir, monkeypatch,
+                                                                               capsys):
     """The launcher's monitor can find rank 1 killed and rank 0 gone (it lost the others: LOST_RANKS_EXIT) in one
     pass, with one timestamp: the line names rank 1 and its signal, not rank 0's exit."""
     import torch.distributed.run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from dgemma.commands import _tensor_parallel
+    from dgemma.cli import main
     from dgemma.engine.lockstep import LOST_RANKS_EXIT
 
     failures = {0: ProcessFailure(0, 100, LOST_RANKS_EXIT, "<N/A>"), 1: ProcessFailure(1, 101, -9, "<N/A>")}
@@ -668,5 +669,5 @@ def test_the_launcher_names_the_killed_rank_when_rank_0_left_in_the_same_pass(mo
         raise ChildFailedError("dgemma", failures)
 
     monkeypatch.setattr(torch.distributed.run, "run", run)
-    assert _tensor_parallel._launch(2, ["serve"]) == 1
+    assert main(["serve", "--model", str(gemma4_chat_model_dir), "--tensor-parallel", "2"]) == 1
     assert "dgemma: rank 1 of 2 ended (signal SIGKILL); the other ranks were stopped" in capsys.readouterr().err
