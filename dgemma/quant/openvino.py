@@ -287,13 +287,14 @@ class LibraryExperts:
         kernel = bool(module.kernel_layout)
         plain = {name: library_stack(getattr(module, f"{name}_q"), getattr(module, f"{name}_scales"), kernel, group)
                  for name in ("gate_up_proj", "down_proj")}
-        count, each = max(1, min(threads, E)), max(1, threads // max(1, min(threads, E)))
+        count = max(1, min(threads, E))
+        each = max(1, threads // count)
         bounds = [E * i // count for i in range(count + 1)]
         self.graphs = [_ExpertsGraph(plain, module.compute_dtype, group, first, last, each)
                        for first, last in zip(bounds, bounds[1:])]
         self.num_experts, self.hidden, self.group = E, 2 * half_h, group
         self.dtype, self.activations = self.graphs[0].dtype, self.graphs[0].activations
-        sizes = sorted({last - first for first, last in zip(bounds, bounds[1:])})
+        sizes = sorted({graph.last - graph.first for graph in self.graphs})
         experts = f"{'-'.join(map(str, sizes))} expert{'s' if sizes[-1] > 1 else ''}"
         threads_each = f"{each} thread{'s' if each > 1 else ''}"
         self.layout = ("one graph per layer" if count == 1 else
