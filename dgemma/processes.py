@@ -80,6 +80,19 @@ def glibc():
         return None
 
 
+def limit_malloc_arenas(count: int) -> bool:
+    """glibc: threads that have no malloc arena yet share the existing ones once there are `count` (mallopt
+    M_ARENA_MAX), instead of each getting its own up to 8 per core. Each arena keeps the largest set of blocks
+    its threads freed, so a library that runs work on many threads of its own holds that many sets. Nothing is
+    changed where the environment already sets the cap (MALLOC_ARENA_MAX, or glibc.malloc.arena_max in
+    GLIBC_TUNABLES), or where the C library is not glibc; returns whether the cap was set."""
+    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = glibc()
+    M_ARENA_MAX = -8
+    return libc is not None and bool(libc.mallopt(M_ARENA_MAX, count))
+
+
 def release_freed_memory():
     """glibc: hand freed heap memory back to the kernel now (malloc_trim). `dgemma bench` does this before
     every timed run, so that resident memory before a run is what is live and the run's own allocations

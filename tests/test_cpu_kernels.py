@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -327,6 +330,52 @@ def test_the_plan_counts_the_live_memory_not_what_glibc_kept(monkeypatch):
     chosen = [(m, part) for m in model.modules() if (part := openvino.takes(m, everything=True))]
     openvino.plan(chosen, model.config)
     assert calls[:2] == ["release", "rss"]
+
+
+@needs_openvino
+def test_the_librarys_threads_share_two_malloc_arenas(monkeypatch):
+    """Once the library takes weights, the threads its graphs run on share glibc's arenas (MALLOC_ARENAS): each
+    arena would keep its own set of freed intermediate tensors. Declined for want of memory, nothing is set."""
+    calls, available = [], [1]
+    monkeypatch.setattr(processes, "limit_malloc_arenas", lambda count: calls.append(count) or True)
+    monkeypatch.setattr(devices, "available_host_memory", lambda: available[0])
+    int8_compute.enable(_tiny_int4(torch.bfloat16), "on", library="openvino")
+    assert calls == []
+    available[0] = 64 << 30
+    int8_compute.enable(_tiny_int4(torch.bfloat16), "on", library="openvino")
+    assert calls == [openvino.MALLOC_ARENAS] == [2]
+
+
+@pytest.mark.skipif(processes.glibc() is None, reason="glibc's malloc arenas")
+def test_capping_malloc_arenas_makes_new_threads_share_them():
+    """glibc gives threads that allocate at once an arena each (up to 8 a core); after `limit_malloc_arenas(2)`
+    six such threads share two (counted by glibc's own malloc_stats). A cap set in the environment is left."""
+    script = (
+        "import ctypes, os, sys, threading\n"
+        "from dgemma import processes\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "print(processes.limit_malloc_arenas(2) if sys.argv[1] == 'capped' else None, flush=True)\n"
+        "together, kept = threading.Barrier(6), []\n"
+        "def work():\n"
+        "    together.wait()\n"  # every thread alive: none can take over an arena another left
+        "    kept.append(libc.malloc(1 << 16))\n"
+        "    together.wait()\n"
+        "threads = [threading.Thread(target=work) for _ in range(6)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "libc.malloc_stats()\n"
+    )
+
+    def arenas(mode: str, **env) -> tuple[str, int]:
+        unset = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
+                             env={**unset, **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip(), sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+    assert arenas("capped") == ("True", 2)
+    assert arenas("free")[1] >= 4  # the main thread's and one for (nearly) each of the six
+    assert arenas("capped", MALLOC_ARENA_MAX="3") == ("False", 3)
 
 
 @needs_openvino

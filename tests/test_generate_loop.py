@@ -4,6 +4,7 @@ seeds and statistics."""
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -43,6 +44,7 @@ class MockModel:
         self.drift_after = drift_after
         self.encodes: list[dict] = []
         self.denoises: list[dict] = []
+        self.embeddings: list[tuple[int, torch.Tensor]] = []  # (the forward whose probabilities, their embedding)
 
     def new_cache(self, batch_size, max_length):
         self.cache = MockCache(batch_size, max_length)
@@ -79,10 +81,20 @@ class MockModel:
             peaks = FIRST_PLAIN + (peaks + 1 - FIRST_PLAIN) % (V - FIRST_PLAIN)
         margin = torch.tensor([self.margin[b % len(self.margin)] for b in range(B)]).view(B, 1, 1)
         logits = torch.nn.functional.one_hot(peaks, V).float() * margin
-        sc = None if self_conditioning is None else self_conditioning.probs
-        self.denoises.append(dict(canvas=canvas_ids.clone(), sc=sc, out=logits,
-                                  raw=logits.clone(), start=cache.length))
+        sc = None if self_conditioning is None else self_conditioning.embedding
+        self.denoises.append(dict(
+            canvas=canvas_ids.clone(), sc=sc, raw=logits.clone(), start=cache.length,
+            sc_from=None if sc is None else next(i for i, e in self.embeddings if e is sc),
+            out=weakref.ref(logits),  # the buffer the sampler overwrites with its probabilities
+            alive=[i for i, call in enumerate(self.denoises) if call["out"]() is not None]))  # earlier buffers held
         return logits
+
+    def soft_embedding_from_probs(self, probs):
+        """The mock's embedding of the probabilities is a copy of them (an identity table), recorded with the
+        forward whose buffer they were."""
+        source = next(i for i, call in enumerate(self.denoises) if call["out"]() is probs)
+        self.embeddings.append((source, probs.clone()))
+        return self.embeddings[-1][1]
 
 
 def config(**kw) -> SamplingConfig:
@@ -188,19 +200,24 @@ def test_rows_stop_on_their_own_and_stopped_rows_are_frozen():
 
 
 def test_self_conditioning_is_the_softmax_of_the_previous_steps_temperature_scaled_logits():
+    """Each step's forward reads the embedding of softmax(previous logits / T), made after the sampler left those
+    probabilities in the logits buffer; the buffer is gone before the next forward (its logits would otherwise be a
+    second (B, L, V) buffer at the LM head, a step's peak memory), and the last step of a canvas is embedded by nobody."""
     model = MockModel(canvas_length=8, margin=(0.7,))  # never stops: 6 steps per canvas
     sampling = config(max_new_tokens=16)
     generate(model, [[4, 5, 6]], sampling, seed=0)
     calls = model.denoises
     assert len(calls) == 12
+    assert [source for source, _ in model.embeddings] == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
     for canvas_start in (0, 6):
         assert calls[canvas_start]["sc"] is None  # fresh canvas: no signal
         for step in range(1, 6):
             previous, current = calls[canvas_start + step - 1], calls[canvas_start + step]
             temperature = temperature_schedule(step - 1, 6, sampling.t_min, sampling.t_max)
-            assert current["sc"] is previous["out"]
+            assert current["sc_from"] == canvas_start + step - 1
             expected = torch.softmax(previous["raw"] / temperature, dim=-1)
             torch.testing.assert_close(current["sc"], expected, rtol=1e-6, atol=1e-7)
+    assert all(call["alive"] == [] for call in calls)
 
 
 def test_canvas_template_is_never_changed():

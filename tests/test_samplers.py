@@ -135,11 +135,12 @@ def test_corrector_sweeps_read_the_last_predictor_steps_self_conditioning():
     assert result.steps_per_canvas == [[7]] and len(calls) == 7
     assert calls[0]["sc"] is None
     for sweep in (1, 3, 5):
-        assert calls[sweep]["sc"] is calls[sweep - 1]["out"]  # the predictor's buffer, now its probabilities
-        assert calls[sweep + 1]["sc"] is calls[sweep - 1]["out"]
+        assert calls[sweep]["sc_from"] == sweep - 1  # the predictor's buffer, now its probabilities, embedded
+        assert calls[sweep + 1]["sc"] is calls[sweep]["sc"]  # the same embedding: a sweep's buffer embeds nothing
         changed = (calls[sweep + 1]["canvas"] != calls[sweep]["canvas"]).sum()
         assert 0 <= int(changed) <= 2  # a sweep redraws 2 positions, the rest held
     assert len(drafts) == 7
+    assert all(call["alive"] == [] for call in calls)  # no earlier step's buffer held into a forward
 
 
 def test_sampler_settings_in_the_config_and_generation_config_json(tmp_path):

@@ -203,6 +203,9 @@ class PositionwiseModel:
         self.packs.append([canvas_ids.shape[1]] * canvas_ids.shape[0])  # a whole-canvas step
         return self._logits(canvas_ids)
 
+    def soft_embedding_from_probs(self, probs):  # self-conditioning changes nothing here
+        return probs.new_zeros(*probs.shape[:-1], 1)
+
     def decode_active(self, canvas_ids, cache, pack, *, self_conditioning=None, rows=None, read=None):
         self.packs.append(list(pack.counts))
         return self._logits(canvas_ids)[pack.row_of, pack.index]

@@ -296,10 +296,15 @@ def denoise_canvas(
         pending = denoising.scan(logits)
         *stop_rows, drawn = host_read(torch.cat([pending.stop.long(), pending.drawn_count.sum().view(1)]), "step")
         result = denoising.advance(pending, stop_rows, drawn)
-        if predicting:
-            self_conditioning = PreviousStep(probs=logits)  # now softmax(logits / T), left in place by the sampler
         if on_draft is not None:
             on_draft(denoising.step_index - 1, pending.draft, result.entropy, result.accepted)
+        if predicting and not denoising.finished:
+            # the next forward's signal: softmax(logits / T), left in place by the sampler. Over the whole canvas
+            # it is embedded now and the (B, L, V) buffer goes, so that the next forward's logits are the only
+            # such buffer alive at its LM head (a step's peak); the step cache embeds only the positions it runs
+            self_conditioning = (PreviousStep(probs=logits) if denoising.step_cache is not None
+                                 else PreviousStep(embedding=model.soft_embedding_from_probs(logits)))
+        del logits, pending, result
     if decoder_positions is not None:
         decoder_positions[:] = [d + c for d, c in zip(decoder_positions, denoising.decoder_positions)]
     return denoising.committed(), denoising.steps

@@ -35,11 +35,12 @@ transposed copy) and ~0.2 MiB per fully connected layer; neither the scale dtype
 unsigned codes, their alignment, nor its runtime cache's capacity changes that (benchmarks/README.md). Each
 graph would also keep the intermediate tensors of the largest call it has run: a canvas call hands them back
 as it returns (`RELEASE_ROWS`), so a step holds one graph's at a time (glibc keeps part of what they free,
-fragmented between torch's allocations: a 26B step still rises ~3 GiB over the resident set, against 0.9 on
-torch's kernels; the plan counts it, KEPT_SHARE). So the hand-over is planned (`plan`, `library_bytes`): in
-dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's memory, else the
-experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB machine), and as
-many layers as fit; the others keep dgemma's copy and torch's kernels.
+fragmented between torch's allocations, and once in every malloc arena the graphs' threads use: a 26B step rose
+~3 GiB over the resident set with glibc's arena per thread, against 0.9 on torch's kernels; MALLOC_ARENAS takes
+~0.5 GiB off that, and the plan counts the rest, KEPT_SHARE). So the hand-over is planned (`plan`,
+`library_bytes`): in dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's
+memory, else the experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB
+machine), and as many layers as fit; the others keep dgemma's copy and torch's kernels.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ RELEASE_ROWS = 64
 # What glibc still keeps of an experts graph's canvas call once handed back, as a share of its intermediate
 # tensors (`experts_call_bytes`): freed, but fragmented between torch's allocations. Set so that the plan's
 # sum matches the 26B's measured peaks in groups of 64 (7.33 GiB predicted against 7.38 measured at 8 layers,
-# 20.0 against 20.07 at 30): the step's peak over torch's is 80-90 MiB a layer, and `library_bytes`' copy
-# term runs high by about the rest (benchmarks/README.md)
+# 20.0 against 20.07 at 30, with an arena per thread): the step's peak over torch's is 80-90 MiB a layer, and
+# `library_bytes`' copy term runs high by about the rest (benchmarks/README.md). With MALLOC_ARENAS the 26B's
+# step peaks ~0.5 GiB lower (19.55 GiB): the plan keeps that as margin
 KEPT_SHARE = 2 / 3
 # The hand-over plans the process's memory within this share of the machine's (and what is available):
 # on a 24 GB machine, 20 GiB
@@ -75,6 +77,12 @@ MEMORY_SHARE = 0.85
 # fixed cost (~40 us) is more than the product (bench-20m's 256 x 256 layers)
 MIN_LINEAR_WEIGHTS = 1 << 20
 PARTS = ("experts", "linears")
+# glibc's malloc arenas once the library runs: every compiled graph runs on threads of its own (an experts graph
+# on one thread, 60 graphs for the 26B's experts), and each arena those threads get keeps the largest set of
+# intermediate tensors they freed. Two arenas between all of them: the 26B's step peak 20.10 -> 19.55 GiB and
+# its process peak 20.46 -> 19.80 (`dgemma bench`, a 5.06 s step against 4.92 s in another run); one arena
+# saved ~0.1 GiB more on 8 layers but cost 3-7% of the step (benchmarks/README.md)
+MALLOC_ARENAS = 2
 
 
 class WeightsInLibrary(ValueError):
@@ -452,6 +460,8 @@ def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: in
     if not chosen:
         return {}
     group, taken, bound = plan(chosen, model.config)
+    if taken:
+        processes.limit_malloc_arenas(MALLOC_ARENAS)  # before the graphs' threads exist
     if len(taken) < len(chosen):
         print(f"note: {len(chosen) - len(taken)} of {len(chosen)} int4 weights stay on torch's kernels: OpenVINO's "
               f"copy of them would not fit the memory (the process may use {bound})", file=sys.stderr)
