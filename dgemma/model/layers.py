@@ -20,9 +20,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: one pass instead of the five elementwise ops of the textbook form
         weight = self.weight.float() if self.weight is not None else None
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+        x32 = x.float()
+        if x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
+            # torch's kernel: fused on a GPU; autograd and compiled graphs take it whole
+            return F.rms_norm(x32, (x.shape[-1],), weight, self.eps).type_as(x)
+        # eagerly on a CPU: torch's rms_norm there is these ops in this order (the same bits), but its
+        # out-of-place broadcast product by the scale is ~5x slower than multiplying it in place (256 x 2,816
+        # fp32: 2.1 against 0.4 ms; ~11 norms a layer)
+        out = x32.mul(torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps)))
+        return (out if weight is None else out.mul_(weight)).type_as(x)
 
 
 _GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
