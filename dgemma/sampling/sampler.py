@@ -35,6 +35,10 @@ from dgemma.config import ACCEPT_ORDERS
 # It is also part of the random stream: a CPU generator fills tensors sequentially, so there the chunk
 # size does not change the samples (tested), but other devices may draw differently per call.
 CHUNK_ELEMENTS = 1 << 24
+# The eager scan on a CPU goes a few rows at a time instead (2 of the 26B's 262,144-entry rows): its ~7 passes
+# over a chunk then stay in the cores' caches, where over 64 rows each would go to memory (one canvas's scan
+# 337 -> ~60 ms on 2 cores; benchmarks/README.md)
+EAGER_CPU_CHUNK_ELEMENTS = 1 << 19
 
 
 def chunk_rows(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
@@ -155,11 +159,16 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     """
     x = x.div_(temperature)
     compiling = torch.compiler.is_dynamo_compiling()
-    top = x.amax(-1, keepdim=True)
-    # compiled, the argmax is the first index holding the max, found as a max of countdown values
-    # (V at index 0 .. 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms
-    # of a bench-20m step). Eagerly that would take (n, V) temporaries; torch's argmax takes none.
-    argmax = _first_index_of(x, top) if compiling else x.argmax(-1)
+    if compiling:
+        # the argmax is the first index holding the max, found as a max of countdown values (V at index 0 ..
+        # 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms of a bench-20m step)
+        top = x.amax(-1, keepdim=True)
+        argmax = _first_index_of(x, top)
+    else:
+        # eagerly, torch's max along a dimension gives the max and the first index holding it in one pass,
+        # ~2.5x faster on a CPU than its argmax alone (which returns the same index, ties included)
+        top, argmax = x.max(-1, keepdim=True)
+        argmax = argmax[:, 0]
     # s - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
     floor = torch.finfo(x.dtype).min
     if compiling:
@@ -177,8 +186,9 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
         x.sub_(top).clamp_(min=floor)
         e = probs = torch.exp(x)
         z = e.sum(-1)
-        # vecdot would make an (n, V) product buffer; a batched matmul makes none
-        expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
+        # vecdot's (n, V) product buffer is a chunk's; torch's batched matmul of (n, 1, V) by (n, V, 1), the
+        # alternative without one, is ~20x slower on a CPU for a few rows this long
+        expected_shift = torch.linalg.vecdot(e, x) / z
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
     torch.div(probs, z[:, None], out=x)  # the buffer now holds the probabilities
     return argmax, entropy
@@ -206,7 +216,8 @@ def scan_positions(logits: torch.Tensor, temperature: float, *, scan=scan_logits
     # a tensor, not a float: one compiled scan serves every temperature of the schedule (made by a fill,
     # not copied from the host: `torch.tensor(t, device=...)` would wait for the device)
     scale = torch.full((), temperature, dtype=logits.dtype, device=logits.device)
-    step = chunk_rows(V, chunk_elements)
+    eager_on_cpu = scan is scan_logits and logits.device.type == "cpu"
+    step = chunk_rows(V, min(chunk_elements, EAGER_CPU_CHUNK_ELEMENTS) if eager_on_cpu else chunk_elements)
     for start in range(0, B * L, step):
         rows = slice(start, start + step)
         argmax[rows], entropy[rows] = scan(flat[rows], scale)
