@@ -35,9 +35,9 @@ from dgemma.config import ACCEPT_ORDERS
 # It is also part of the random stream: a CPU generator fills tensors sequentially, so there the chunk
 # size does not change the samples (tested), but other devices may draw differently per call.
 CHUNK_ELEMENTS = 1 << 24
-# The eager scan on a CPU goes a few rows at a time instead (2 of the 26B's 262,144-entry rows): its ~7 passes
-# over a chunk then stay in the cores' caches, where over 64 rows each would go to memory (one canvas's scan
-# 337 -> ~60 ms on 2 cores; benchmarks/README.md)
+# The eager scan on a CPU goes a few rows at a time instead (2 of the 26B's 262,144-entry rows): its passes over
+# a chunk then stay in the cores' caches, where over 64 rows each would go to memory (with its one-pass max and
+# index, one 26B canvas's scan 315 -> 125 ms on 2 cores: benchmarks/sampler_scan.py)
 EAGER_CPU_CHUNK_ELEMENTS = 1 << 19
 
 
@@ -159,16 +159,18 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
     """
     x = x.div_(temperature)
     compiling = torch.compiler.is_dynamo_compiling()
-    if compiling:
-        # the argmax is the first index holding the max, found as a max of countdown values (V at index 0 ..
-        # 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms of a bench-20m step)
-        top = x.amax(-1, keepdim=True)
-        argmax = _first_index_of(x, top)
-    else:
-        # eagerly, torch's max along a dimension gives the max and the first index holding it in one pass,
-        # ~2.5x faster on a CPU than its argmax alone (which returns the same index, ties included)
+    eager_on_cpu = not compiling and x.device.type == "cpu"
+    if eager_on_cpu:
+        # torch's max along a dimension gives the max and the first index holding it in one pass, ~2.5x faster
+        # on a CPU than its argmax alone (which returns the same index, ties included)
         top, argmax = x.max(-1, keepdim=True)
         argmax = argmax[:, 0]
+    else:
+        top = x.amax(-1, keepdim=True)
+        # compiled, the argmax is the first index holding the max, found as a max of countdown values (V at
+        # index 0 .. 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms of a
+        # bench-20m step)
+        argmax = _first_index_of(x, top) if compiling else x.argmax(-1)
     # s - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
     floor = torch.finfo(x.dtype).min
     if compiling:
@@ -186,9 +188,10 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
         x.sub_(top).clamp_(min=floor)
         e = probs = torch.exp(x)
         z = e.sum(-1)
-        # vecdot's (n, V) product buffer is a chunk's; torch's batched matmul of (n, 1, V) by (n, V, 1), the
-        # alternative without one, is ~20x slower on a CPU for a few rows this long
-        expected_shift = torch.linalg.vecdot(e, x) / z
+        if eager_on_cpu:  # a chunk of a few rows (`scan_positions`): vecdot's (n, V) product buffer is small,
+            expected_shift = torch.linalg.vecdot(e, x) / z  # and a batched matmul ~20x slower on so few long rows
+        else:  # a device's 64 MB chunk: a batched matmul makes no (n, V) product buffer
+            expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
     torch.div(probs, z[:, None], out=x)  # the buffer now holds the probabilities
     return argmax, entropy
