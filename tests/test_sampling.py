@@ -266,6 +266,30 @@ def test_the_eager_scan_keeps_the_entropy_of_a_long_vocabulary_accurate():
     torch.testing.assert_close(probs.double(), scaled.softmax(-1).view(6, -1), rtol=1e-5, atol=1e-9)
 
 
+def test_the_eager_scan_gives_negligible_and_masked_tokens_exactly_zero():
+    """Tokens whose probability is below the smallest normal float over the vocabulary (where torch's CPU exp
+    would leave its fast path) get exactly 0, as masked (-inf) ones do; the rest, the entropy and the argmax are
+    float64's."""
+    from dgemma.sampling.sampler import scan_positions
+
+    V = 1 << 18
+    logits = torch.randn(1, 3, V, generator=torch.Generator().manual_seed(4)) * 3
+    logits[0, 0, :1000] = float("-inf")  # masked
+    logits[0, 1, 7] = 35.0  # at temperature 0.4 most others are 70-110 below it, where exp(s - m) is subnormal
+    scaled = (logits.double() / 0.4).clamp(min=-1e300)
+    expected_probs = scaled.softmax(-1)[0]
+    expected_entropy = -(expected_probs * scaled.log_softmax(-1)[0]).sum(-1)
+    probs, argmax, entropy, _ = scan_positions(logits.clone(), 0.4)
+    zeroed = probs == 0
+    assert bool(zeroed[0, :1000].all())
+    assert int(zeroed[1].sum()) > V // 2
+    assert float(expected_probs[zeroed].max()) < 1e-30  # only negligible tokens
+    assert float(probs[~zeroed].min()) >= torch.finfo(torch.float32).tiny  # and no subnormal probability
+    torch.testing.assert_close(probs.double(), expected_probs, rtol=1e-5, atol=1e-30)
+    assert float((entropy[0].double() - expected_entropy).abs().max()) < 2e-6
+    assert argmax[0].tolist() == [int(logits[0, 0].argmax()), 7, int(logits[0, 2].argmax())]
+
+
 def test_inverse_cdf_samples_the_given_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     n = 200_000

@@ -23,6 +23,7 @@ Cost: the vocabulary-sized work is the main non-matmul cost of a denoising step,
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -184,14 +185,25 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
         z = e.sum(-1)
         expected_shift = torch.linalg.vecdot(e, floored) / z  # E_p[s - m], fused into the loop over V
         probs = torch.exp(shifted)
+    elif eager_on_cpu:
+        # torch's CPU exp leaves its fast path where the result would underflow (arguments below ~-87: ~15x
+        # slower there), and logits 60 apart reach that at temperature 0.4. So the tokens whose probability would
+        # be below the smallest normal float even over a whole vocabulary's sum (s - m < log(tiny * V), ~-75 for
+        # 262k entries: probabilities under ~1e-32) get exactly 0, as masked tokens do, and exp never sees them
+        cutoff = math.log(torch.finfo(x.dtype).tiny * x.shape[-1])
+        x.sub_(top).clamp_(min=cutoff)
+        # exp of the clamped entries (and of any within 0.1% of them) -> 0, with a margin over exp's rounding
+        e = probs = torch.nn.functional.threshold_(torch.exp(x), 1.001 * math.exp(cutoff), 0.0)
+        z = e.sum(-1)
+        # vecdot's (n, V) product buffer is a chunk's (`scan_positions`); a batched matmul, the alternative
+        # without one, is ~20x slower on so few long rows
+        expected_shift = torch.linalg.vecdot(e, x) / z
     else:
         x.sub_(top).clamp_(min=floor)
         e = probs = torch.exp(x)
         z = e.sum(-1)
-        if eager_on_cpu:  # a chunk of a few rows (`scan_positions`): vecdot's (n, V) product buffer is small,
-            expected_shift = torch.linalg.vecdot(e, x) / z  # and a batched matmul ~20x slower on so few long rows
-        else:  # a device's 64 MB chunk: a batched matmul makes no (n, V) product buffer
-            expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
+        # a device's 64 MB chunk: a batched matmul makes no (n, V) product buffer
+        expected_shift = (e[:, None, :] @ x[:, :, None])[:, 0, 0] / z
     entropy = (z.log() - expected_shift).clamp_(min=0.0)
     torch.div(probs, z[:, None], out=x)  # the buffer now holds the probabilities
     return argmax, entropy
