@@ -172,7 +172,8 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
         # index 0 .. 1 at the last): inductor's CPU argmax reduction is ~4x slower than its max (~1 ms of a
         # bench-20m step)
         argmax = _first_index_of(x, top) if compiling else x.argmax(-1)
-    # s - m <= 0; -inf logits (masked tokens) become a finite floor so that 0 * x stays 0 below
+    # s - m <= 0; -inf logits (masked tokens) become a finite floor (eagerly on a CPU, its cutoff) so that 0 * x
+    # stays 0 below
     floor = torch.finfo(x.dtype).min
     if compiling:
         # Out of place, and the probabilities exp'd again in the loop that writes them: were e reused,
@@ -187,9 +188,9 @@ def scan_logits(x: torch.Tensor, temperature: torch.Tensor):
         probs = torch.exp(shifted)
     elif eager_on_cpu:
         # torch's CPU exp leaves its fast path where the result would underflow (arguments below ~-87: ~15x
-        # slower there), and logits 60 apart reach that at temperature 0.4. So the tokens whose probability would
+        # slower there), and logits 35 apart reach that at temperature 0.4. So the tokens whose probability would
         # be below the smallest normal float even over a whole vocabulary's sum (s - m < log(tiny * V), ~-75 for
-        # 262k entries: probabilities under ~1e-32) get exactly 0, as masked tokens do, and exp never sees them
+        # 262k entries: probabilities under ~1e-32) get exactly 0, as masked tokens do, and exp sees nothing lower
         cutoff = math.log(torch.finfo(x.dtype).tiny * x.shape[-1])
         x.sub_(top).clamp_(min=cutoff)
         # exp of the clamped entries (and of any within 0.1% of them) -> 0, with a margin over exp's rounding
