@@ -1,10 +1,11 @@
 """The sampler's eager scan of one canvas's logits on a CPU: dgemma's, against the earlier formulation, side by side.
 
-    python benchmarks/sampler_scan.py [--vocab 262144,8192] [--positions 256] [--rounds 5]
+    python benchmarks/sampler_scan.py [--vocab 262144,8192] [--positions 256] [--rounds 5] [--temperature 0.7]
 
 The scan (`dgemma.sampling.sampler.scan_positions`) turns a step's (B, L, V) fp32 logits into the argmax, the
-entropy and, in place, the probabilities. dgemma's goes 2 MB of logits at a time (EAGER_CPU_CHUNK_ELEMENTS) and
-takes the max and its index from one `max` along the vocabulary, the expected shift E_p[s - m] from `vecdot`. The
+entropy and, in place, the probabilities. dgemma's goes 2 MB of logits at a time (EAGER_CPU_CHUNK_ELEMENTS), takes
+the max and its index from one `max` along the vocabulary, the expected shift E_p[s - m] from `vecdot`, and gives
+tokens under log(tiny * V) below the max exactly 0 (where torch's exp would leave its fast path). The
 earlier formulation, kept here to measure against: 64 positions of a 262k vocabulary at a time (CHUNK_ELEMENTS),
 `amax` then `argmax`, and E_p[s - m] as a batched (n, 1, V) x (n, V, 1) matmul. Both run with the generating
 commands' allocator settings (`dgemma.engine.allocator`), turn about, on the same logits (copied in before each
