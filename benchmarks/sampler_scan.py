@@ -62,6 +62,7 @@ def main():
     from rich.table import Table
 
     from dgemma.engine import allocator
+    from dgemma.sampling import token_entropy
 
     allocator.bound_kernel_caches()
     allocator.keep_freed_memory()
@@ -72,8 +73,7 @@ def main():
         # the model's logits are (`final_logit_softcapping`)
         scale = torch.logspace(-1, 1.7, args.positions)[torch.randperm(args.positions, generator=g)]
         logits = 30.0 * torch.tanh(torch.randn(1, args.positions, V, generator=g) * scale[None, :, None] / 30.0)
-        scaled = logits[0].double() / args.temperature
-        exact = -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1)
+        exact = token_entropy(logits[0].double() / args.temperature)
         buffer = torch.empty_like(logits)
         best = {"earlier": float("inf"), "dgemma": float("inf")}
         found = {}
