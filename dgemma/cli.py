@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import json
+import os
 import sys
+from pathlib import Path
 
 from dgemma.commands._common import UsageError
+from dgemma.processes import shorten_openmp_spin
 
 COMMANDS = {
     "generate": "generate text with the block-diffusion sampler (or --ar for left-to-right)",
@@ -86,6 +91,27 @@ def bound_kernel_caches():
     allocator.bound_kernel_caches()
 
 
+def openvino_may_run(args) -> bool:
+    """Whether this command may hand int4 weights to OpenVINO's CPU kernels (dgemma.quant.openvino), as far as its
+    flags tell before torch is imported: int4 weights (--quantize int4, or a local model folder saved in int4),
+    OpenVINO installed, DGEMMA_CPU_KERNELS not "torch", --cpu-int8-compute not off, --device not a GPU. Then the
+    CLI shortens torch's OpenMP spin (dgemma.processes.shorten_openmp_spin), which would slow the library's
+    graphs; elsewhere torch's threads keep libgomp's default."""
+    if os.environ.get("DGEMMA_CPU_KERNELS", "auto") == "torch" or getattr(args, "cpu_int8_compute", "auto") == "off" \
+            or str(getattr(args, "device", "auto")).startswith("cuda") or importlib.util.find_spec("openvino") is None:
+        return False
+    if getattr(args, "quantize", None) == "int4":
+        return True
+    model = getattr(args, "model", None)
+    if not model:
+        return False
+    try:
+        stored = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(stored, dict) and stored.get("format") == "int4"
+
+
 def _resolve_model_names(args):
     """`--model` (and convert's SRC_DIR) may name a Hugging Face id: commands only ever see a local folder."""
     from dgemma.weights.hub import resolve_model
@@ -101,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed: what ranks and replicas run again
+    if args.command in GENERATING and openvino_may_run(args):
+        shorten_openmp_spin()  # before anything imports torch (libgomp reads it once)
     if args.command in GENERATING and getattr(args, "keep_freed_memory", True):
         keep_freed_memory()
     if args.command in GENERATING - {"bench"}:

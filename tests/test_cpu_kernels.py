@@ -378,6 +378,78 @@ def test_capping_malloc_arenas_makes_new_threads_share_them():
     assert arenas("capped", MALLOC_ARENA_MAX="3") == ("False", 3)
 
 
+def test_a_shortened_openmp_spin_stops_idle_threads_burning_a_core():
+    """libgomp's idle threads spin ~300,000 times before sleeping; shortened before torch loads, a loop of parallel
+    ops 2 ms apart burns far less CPU beside its own work (the spin OpenVINO's graphs would share a core with).
+    Set too late (torch loaded) or over the environment's own setting, nothing is changed."""
+    script = (
+        "import sys, time\n"
+        "from dgemma import processes\n"
+        "print(processes.shorten_openmp_spin() if sys.argv[1] == 'short' else None, flush=True)\n"
+        "import torch\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.ones(1 << 20)\n"
+        "[x.add_(1) for _ in range(20)]\n"
+        "start = time.process_time()\n"
+        "for _ in range(200):\n"
+        "    x.add_(1)\n"
+        "    time.sleep(0.002)\n"
+        "print(time.process_time() - start, processes.shorten_openmp_spin())\n"
+    )
+
+    def cpu_seconds(mode: str, **env) -> tuple[str, float, str]:
+        base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
+                             env={**base, **env})
+        assert out.returncode == 0, out.stderr
+        first, second = out.stdout.splitlines()
+        seconds, again = second.split()[:2]
+        return first, float(seconds), again
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores: one for the loop, one for the idle thread")
+    default = cpu_seconds("default")
+    short = cpu_seconds("short")
+    assert default[0] == "None" and short[0] == "True" and short[2] == "False"  # once torch is loaded: too late
+    assert short[1] < 0.6 * default[1], (short, default)
+    assert cpu_seconds("short", GOMP_SPINCOUNT="300000")[0] == "False"
+    assert cpu_seconds("short", OMP_WAIT_POLICY="active")[0] == "False"
+
+
+def test_the_cli_shortens_the_spin_only_where_openvino_may_take_int4_weights(tmp_path, monkeypatch):
+    """Known from the flags before torch loads: int4 by --quantize or a folder saved in int4, the library installed
+    and not turned off (DGEMMA_CPU_KERNELS=torch, --cpu-int8-compute off), no GPU asked for."""
+    import argparse
+    import importlib.util
+    import json
+
+    from dgemma.cli import openvino_may_run
+
+    saved = {}
+    for fmt in ("int4", "int8"):
+        saved[fmt] = tmp_path / fmt
+        saved[fmt].mkdir()
+        (saved[fmt] / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "dgemma",
+                                                                                    "format": fmt}}))
+
+    def may(**flags) -> bool:
+        return openvino_may_run(argparse.Namespace(**{"cpu_int8_compute": "auto", "device": "auto", **flags}))
+
+    monkeypatch.delenv("DGEMMA_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # installed
+    assert may(quantize="int4", model=None) and may(quantize=None, model=str(saved["int4"]))
+    assert not may(quantize=None, model=str(saved["int8"])) and not may(quantize="int8", model=None)
+    assert not may(quantize=None, model=str(tmp_path / "missing")) and not may(quantize=None, model=None)
+    assert not may(quantize="int4", model=None, cpu_int8_compute="off")
+    assert not may(quantize="int4", model=None, device="cuda:1")
+    monkeypatch.setenv("DGEMMA_CPU_KERNELS", "torch")
+    assert not may(quantize="int4", model=None)
+    monkeypatch.setenv("DGEMMA_CPU_KERNELS", "openvino")
+    assert may(quantize="int4", model=None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # not installed
+    assert not may(quantize="int4", model=None)
+
+
 @needs_openvino
 def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
     """Where not every layer's experts fit, the linears and as many experts as fit go over, the rest keep

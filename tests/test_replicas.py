@@ -271,3 +271,19 @@ def test_a_split_server_that_cannot_start_says_why_at_once(monkeypatch):
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     with pytest.raises(RuntimeError, match="the split server did not start: .*No such file"):
         SplitServer(["serve", "--model", "m"], threads_per_rank=1, start_timeout=5)
+
+
+def test_a_private_ray_instance_collects_no_metrics_and_a_cluster_keeps_its_own(monkeypatch):
+    """The private instance (no --ray-address) starts with Ray's metrics collection off (no dashboard reads them;
+    its exporter thread is where Ray's OpenTelemetry reader has crashed at start-up); a cluster's settings are
+    its own: Ray refuses a _system_config when connecting to one."""
+    from dgemma.serving import replicas
+
+    calls = []
+    monkeypatch.setattr("ray.init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
+    assert replicas.start_ray(None) == {"CPU": 2.0}
+    assert calls[-1]["address"] == "local"
+    assert calls[-1]["_system_config"] == {"enable_metrics_collection": False}
+    replicas.start_ray("ray://head:10001")
+    assert calls[-1]["address"] == "ray://head:10001" and "_system_config" not in calls[-1]
