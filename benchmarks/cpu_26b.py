@@ -200,6 +200,10 @@ def main():
     p.add_argument("--child", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
+        if args.child == "library":  # as `dgemma` does for an int4 model OpenVINO may take, before torch loads
+            from dgemma.processes import shorten_openmp_spin
+
+            shorten_openmp_spin()
         print(json.dumps(measure(args)))
         return
     systems = [s for s in args.systems.split(",") if s]

@@ -15,8 +15,8 @@ wide (a training step, thousands of rows, at any width); fp32 elsewhere. What ea
                      1.56x fp32's tokens/s)
   CPU, AVX512_BF16   measured (AMD Zen 4 and 5, Intel Cooper Lake): oneDNN's AVX512_BF16 kernels ran below
   without AMX        fp32's rate (0.65x at the probe's shape, the engine 0.97x) on the AMX machine capped
-                     to them; a real CPU of this class may differ, which is why its answer is measured
-                     rather than read from its flags
+                     to them, but at 2.11x on a real Zen 4 (bf16 there; bench-20m's eager engine 1.03-1.44x
+                     fp32's tokens/s): why this class's answer is measured, not read from its flags
   CPU, AVX-512       fp32, from the flags alone (Skylake-SP, Cascade Lake, Ice Lake): oneDNN runs bf16
   without bf16       by converting inside its kernels (0.24x at the probe's shape capped to this class,
                      the engine 0.47x; 0.53x on a real AVX-512 VNNI Xeon)

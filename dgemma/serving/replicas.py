@@ -140,9 +140,9 @@ def start_ray(address: str | None) -> dict:
     """Connect to the Ray cluster at `address`, or start a private one on this machine (None). Returns the
     cluster's resources ({"CPU": 2.0, ...})."""
     # "local": always a new instance; ray.init(None) would join a cluster left by `ray start` on this machine.
-    # A private instance has no dashboard and nothing that reads Ray's own metrics (dgemma's /metrics counts the
-    # requests), so it collects none: no exporter thread in every process, the one where Ray's OpenTelemetry
-    # reader has crashed this process at start-up (SIGSEGV in MetricReader::Collect, seen once on 2 cores)
+    # A private instance has no dashboard and nothing that reads Ray's own metrics, so it collects none: no
+    # exporter thread in its processes, the thread where Ray's OpenTelemetry reader can crash a process at start-up
+    # (a rare SIGSEGV in MetricReader::Collect)
     private = {} if address else {"_system_config": {"enable_metrics_collection": False}}
     ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING,
              configure_logging=True, **private)
