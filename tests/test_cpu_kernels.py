@@ -379,8 +379,9 @@ def test_capping_malloc_arenas_makes_new_threads_share_them():
 
 
 def test_a_shortened_openmp_spin_stops_idle_threads_burning_a_core():
-    """libgomp's idle threads spin ~300,000 times before sleeping; shortened before torch loads, a loop of parallel
-    ops 2 ms apart burns far less CPU beside its own work (the spin OpenVINO's graphs would share a core with).
+    """libgomp's idle threads spin ~300,000 times before sleeping; shortened before torch loads, in a loop of
+    parallel ops 2 ms apart torch's other OpenMP thread burns far less CPU (the spin OpenVINO's graphs would share a
+    core with).
     Set too late (torch loaded) or over the environment's own setting, nothing is changed."""
     script = (
         "import sys, time\n"
@@ -390,11 +391,12 @@ def test_a_shortened_openmp_spin_stops_idle_threads_burning_a_core():
         "torch.set_num_threads(2)\n"
         "x = torch.ones(1 << 20)\n"
         "[x.add_(1) for _ in range(20)]\n"
-        "start = time.process_time()\n"
+        "start, own = time.process_time(), time.thread_time()\n"
         "for _ in range(200):\n"
         "    x.add_(1)\n"
         "    time.sleep(0.002)\n"
-        "print(time.process_time() - start, processes.shorten_openmp_spin())\n"
+        "others = (time.process_time() - start) - (time.thread_time() - own)\n"  # the OpenMP thread's CPU
+        "print(others, processes.shorten_openmp_spin())\n"
     )
 
     def cpu_seconds(mode: str, **env) -> tuple[str, float, str]:
@@ -411,7 +413,7 @@ def test_a_shortened_openmp_spin_stops_idle_threads_burning_a_core():
     default = cpu_seconds("default")
     short = cpu_seconds("short")
     assert default[0] == "None" and short[0] == "True" and short[2] == "False"  # once torch is loaded: too late
-    assert short[1] < 0.6 * default[1], (short, default)
+    assert short[1] < 0.5 * default[1], (short, default)
     assert cpu_seconds("short", GOMP_SPINCOUNT="300000")[0] == "False"
     assert cpu_seconds("short", OMP_WAIT_POLICY="active")[0] == "False"
 
