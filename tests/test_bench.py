@@ -23,6 +23,7 @@ def test_tiny_bench_prints_json(tmp_path):
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     ran = result["what_ran"]  # what the figures ran: kernels per part, int8 compute, threads, load
     assert ran["int8_compute"] is False and ran["cpu"]["threads"] == 1
+    assert ran["cpu"]["openmp_spin"] == "default"  # no int4 weights for OpenVINO: libgomp's own spin
     assert ran["canvas step (16 rows)"]["experts"] == f"{result['dtype']} matmuls (grid or per expert)"
     assert "before" in ran["load_average"] and "after" in ran["load_average"]
     # which dtype ran and why: --dtype auto asks devices.default_dtype, as the generating commands do
@@ -138,3 +139,25 @@ def test_missing_extras_are_one_line_naming_the_pip_command(monkeypatch, capsys,
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'dgemma[bench]'" in err[0] and "--no-transformers" in err[0], err
+
+
+def test_an_int4_bench_shortens_torchs_openmp_spin_where_openvino_may_take_the_weights():
+    """`dgemma bench --quantize int4` on a CPU with OpenVINO sets GOMP_SPINCOUNT before torch loads (its idle
+    threads would hold the cores the library's graphs need) and says so in its record and its "what ran" line;
+    DGEMMA_CPU_KERNELS=torch keeps libgomp's default."""
+    import importlib.util
+
+    def bench(**env) -> tuple[dict, str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dgemma", "bench", "--config", "tiny", "--quantize", "int4", "--batch", "1",
+             "--steps", "1", "--repeats", "1", "--prompt-len", "8", "--eager", "--no-startup", "--no-transformers",
+             "--no-ar", "--no-adaptive"],
+            capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **env})
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])["what_ran"]["cpu"], proc.stdout
+
+    installed = importlib.util.find_spec("openvino") is not None
+    cpu, out = bench()
+    assert cpu["openmp_spin"] == ("10000" if installed else "default")
+    assert ("(OpenMP spin 10000)" in out) == installed
+    assert bench(DGEMMA_CPU_KERNELS="torch")[0]["openmp_spin"] == "default"

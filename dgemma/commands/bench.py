@@ -241,7 +241,8 @@ def _what_runs_lines(ran: dict) -> list[str]:
     if "cpu" in ran:
         cpu = ran["cpu"]
         lines[0] += (f"; {cpu['name'] or 'CPU'} ({', '.join(cpu['flags']) or 'no AVX2'}; torch {cpu['torch_capability']}), "
-                     f"{cpu['threads']} threads on {cpu['cores']} cores")
+                     f"{cpu['threads']} threads on {cpu['cores']} cores"
+                     + (f" (OpenMP spin {cpu['openmp_spin']})" if cpu.get("openmp_spin", "default") != "default" else ""))
     load = ran["load_average"]
     lines[0] += f"; load average {load['before']}" + (f" -> {load['after']}" if load.get("after") is not None else "")
     for key, parts in ran.items():

@@ -83,12 +83,15 @@ def start_line(model: nn.Module, batch: int = 1) -> str:
 
 
 def cpu() -> dict:
-    """The CPU's name, the instruction sets the kernels above depend on, torch's kernel level and threads."""
+    """The CPU's name, the instruction sets the kernels above depend on, torch's kernel level and threads, and how
+    long torch's idle OpenMP threads spin ("default" unless GOMP_SPINCOUNT or OMP_WAIT_POLICY says otherwise:
+    dgemma.processes.shorten_openmp_spin)."""
     name, flags = devices.cpu_info()
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    spin = os.environ.get("GOMP_SPINCOUNT") or (os.environ.get("OMP_WAIT_POLICY") or "default").lower()
     return {"name": name, "flags": [f for f in wanted if f in flags], "torch_capability": devices.cpu_capability(),
             "threads": torch.get_num_threads(), "int8_dot_products": devices.cpu_has_int8_dot(),
-            "cores": os.cpu_count()}
+            "cores": os.cpu_count(), "openmp_spin": spin}
 
 
 def load_average() -> float | None:
