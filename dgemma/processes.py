@@ -43,12 +43,20 @@ def end_with_parent(signum: int = signal.SIGTERM):
         os.kill(os.getpid(), signum)
 
 
+def openmp_spin() -> str | None:
+    """How long idle OpenMP threads spin as the environment sets it: GOMP_SPINCOUNT's value, else OMP_WAIT_POLICY's
+    (lower case), else None (libgomp's default)."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        return os.environ["GOMP_SPINCOUNT"]
+    return os.environ["OMP_WAIT_POLICY"].lower() if "OMP_WAIT_POLICY" in os.environ else None
+
+
 def shorten_openmp_spin(count: int = OPENMP_SPIN_COUNT) -> bool:
     """Let torch's idle OpenMP threads spin `count` times before sleeping instead of libgomp's 300,000 (see
     OPENMP_SPIN_COUNT), through GOMP_SPINCOUNT, which libgomp reads once, when torch loads it: so only before
-    torch is imported, and never over the environment's own GOMP_SPINCOUNT or OMP_WAIT_POLICY. Child processes
-    (ranks, replicas) inherit it. Returns whether it was set."""
-    if "torch" in sys.modules or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+    torch is imported, and never over the environment's own setting (`openmp_spin`). Child processes (ranks,
+    replicas) inherit it. Returns whether it was set."""
+    if "torch" in sys.modules or openmp_spin() is not None:
         return False
     os.environ["GOMP_SPINCOUNT"] = str(count)
     return True

@@ -16,7 +16,7 @@ import os
 import torch
 from torch import nn
 
-from dgemma import devices
+from dgemma import devices, processes
 from dgemma.model.experts import Experts
 from dgemma.quant import int8_compute
 from dgemma.quant.quantize import QuantExperts, QuantLinear
@@ -84,11 +84,11 @@ def start_line(model: nn.Module, batch: int = 1) -> str:
 
 def cpu() -> dict:
     """The CPU's name, the instruction sets the kernels above depend on, torch's kernel level and threads, and how
-    long torch's idle OpenMP threads spin ("default" unless GOMP_SPINCOUNT or OMP_WAIT_POLICY says otherwise:
-    dgemma.processes.shorten_openmp_spin)."""
+    long torch's idle OpenMP threads spin (`processes.openmp_spin`, "default" where the environment leaves it to
+    libgomp; see `processes.shorten_openmp_spin`)."""
     name, flags = devices.cpu_info()
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    spin = os.environ.get("GOMP_SPINCOUNT") or (os.environ.get("OMP_WAIT_POLICY") or "default").lower()
+    spin = processes.openmp_spin() or "default"
     return {"name": name, "flags": [f for f in wanted if f in flags], "torch_capability": devices.cpu_capability(),
             "threads": torch.get_num_threads(), "int8_dot_products": devices.cpu_has_int8_dot(),
             "cores": os.cpu_count(), "openmp_spin": spin}
