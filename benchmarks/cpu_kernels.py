@@ -11,6 +11,8 @@ Every product multiplies bf16 activations (M, K) by one int4 weight (N, K) quant
                   VNNI kernels) and 0 (fp32 activations); the codes and scales are dgemma's bytes as they are
   ov-int4[-dq]    OpenVINO's CPU plugin, int4 weight compression (u4 codes, zero point 8), bf16 in and out;
                   -dq: dynamic int8 quantisation of the activations (groups of 32, the plugin's default)
+  ov-int4[-dq]-g64 (`--groups-of-64`) the same weight quantised again in groups of 64 (as the hand-over
+                  regroups the 26B's experts where groups of 32 do not fit), -dq quantising per group of 64
   torchao-a8w4    torchao's `Int8DynamicActivationIntxWeightConfig` (int4 groups of 32, int8 activations)
 Each per-call time includes what sharing the tensors costs: the activations' conversion where a library wants
 fp32 (onnxruntime), the binding of torch's buffers (IOBinding on `data_ptr`, OpenVINO tensors over the same
@@ -158,9 +160,9 @@ def torch_to_np_dtype(t: torch.Tensor):
 class OpenVinoInt4:
     """OpenVINO: x (bf16) -> FullyConnectedCompressed over the u4 codes (zero point 8) and fp16 group scales."""
 
-    def __init__(self, dynamic_quantization: bool):
-        self.dq = dynamic_quantization
-        self.name = "ov-int4-dq" if dynamic_quantization else "ov-int4"
+    def __init__(self, dynamic_quantization: bool, group: int = GROUP):
+        self.dq, self.group = dynamic_quantization, group
+        self.name = ("ov-int4-dq" if dynamic_quantization else "ov-int4") + ("" if group == GROUP else f"-g{group}")
 
     def unavailable(self):
         return missing("openvino")
@@ -171,10 +173,13 @@ class OpenVinoInt4:
         import openvino.opset13 as ops
 
         N, K = dense.shape
-        G = K // GROUP
+        group = self.group if bits == 4 else GROUP
+        if group != GROUP:  # dgemma's int4 weight quantised again in wider groups, as `openvino.regroup` does
+            q, scales = quant.quantize_tensor(quant.dequantize_tensor(q, scales, "int4", torch.float32), "int4", group)
+        G = K // group
         x = ops.parameter([-1, K], ov.Type.bf16, name="x")
         if bits == 4:
-            codes = ops.constant(ov.Tensor(q.numpy(), ov.Shape([N, G, GROUP]), ov.Type.u4))
+            codes = ops.constant(ov.Tensor(q.numpy(), ov.Shape([N, G, group]), ov.Type.u4))
             zero = ops.convert(ops.constant(ov.Tensor(np.array([0x88], dtype=np.uint8), ov.Shape([1]), ov.Type.u4)),
                                ov.Type.f16)
             w = ops.subtract(ops.convert(codes, ov.Type.f16), zero)
@@ -185,7 +190,7 @@ class OpenVinoInt4:
         y = ops.convert(ops.matmul(ops.convert(x, ov.Type.f32), w, False, True), ov.Type.bf16)
         compiled = ov.Core().compile_model(ov.Model([y], [x], "linear"), "CPU", {
             "INFERENCE_NUM_THREADS": torch.get_num_threads(), "ENABLE_CPU_PINNING": False,
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP if self.dq else 0})
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": group if self.dq else 0})
         request = compiled.create_infer_request()
 
         def run(x):
@@ -195,6 +200,7 @@ class OpenVinoInt4:
             request.set_output_tensor(ov.Tensor(y.view(torch.int16).numpy(), ov.Shape(list(y.shape)), ov.Type.bf16))
             request.infer()
             return y
+        run.constants = q, scales  # the arrays the graph's constants read (regrouped ones are this call's own)
         return run
 
 
@@ -230,6 +236,8 @@ def systems(args) -> list:
     out = [TorchInt4(), TorchInt8(), TorchDense(torch.bfloat16), TorchDense(torch.float32),
            OrtNBits(4, args.ort_spin), OrtNBits(0, args.ort_spin), OpenVinoInt4(True), OpenVinoInt4(False),
            TorchaoA8W4()]
+    if args.groups_of_64:
+        out += [OpenVinoInt4(True, 2 * GROUP), OpenVinoInt4(False, 2 * GROUP)]
     return out
 
 
@@ -431,6 +439,7 @@ def main():
     p.add_argument("--moe-tokens", type=lambda text: [int(t) for t in text.split(",")], default=[1, 4, 16, 64, 256],
                    help="comma-separated token counts for --moe (default 1,4,16,64,256)")
     p.add_argument("--ort-spin", action="store_true", help="let onnxruntime's threads spin between calls")
+    p.add_argument("--groups-of-64", action="store_true", help="also OpenVINO on the weights quantised again in groups of 64")
     args = p.parse_args()
     args.only = [o for o in args.only.split(",") if o]
     torch.set_num_threads(args.threads)

@@ -478,3 +478,43 @@ def test_layers_memory_cannot_hold_stay_on_torchs_kernels(monkeypatch, capsys):
     assert f"(the process may use {(int(total) + 1) * openvino.MEMORY_SHARE / 2**30:.2f} GiB: 85% of the machine's" in err
     assert "in 1 of 4 layers, the others torch int4" in kernels.kernels(model, 16)["experts"]
     assert not model.layers[1].experts.gate_up_proj_q.is_meta  # dgemma's copy, still in use
+
+
+@needs_openvino
+@pytest.mark.parametrize("quantise", [True, False])
+@torch.no_grad()
+def test_the_activations_named_are_what_the_graphs_multiply(monkeypatch, request, quantise):
+    """The start line names what OpenVINO multiplies the int4 weights by, asked of a probe (its precision hint
+    does not say). Checked on the model's own graphs, experts in groups of 64 and a linear in 32: where it says
+    int8, values of 1/1024 beside a 1 in its group are quantised away (the output is that of the 1 alone); where
+    it names a float type, they are not. Each graph quantises per the weights' own group (a wider group would
+    leave the products unquantised); with the quantisation turned off, the probe must name a float type."""
+    if not quantise:
+        real = openvino.compile_config
+        monkeypatch.setattr(openvino, "compile_config",
+                            lambda threads, group: real(threads, group) | {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
+    openvino.activations.cache_clear()  # the probe's answers are for the settings it ran with
+    request.addfinalizer(openvino.activations.cache_clear)
+    model = _tiny_int4(torch.bfloat16, moe_intermediate_size=64)
+    monkeypatch.setattr(openvino, "plan", lambda chosen, config: (64, chosen, "test"))
+    int8_compute.enable(model, "on", library="openvino")
+    experts, linear = model.layers[1].experts.library, model.layers[0].self_attn.q_proj.library
+    assert experts.group == 64 and linear.group == 32
+    for graph in (*experts.graphs, linear):
+        assert graph.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == (graph.group if quantise else 0)
+    if not quantise:
+        assert not experts.activations.startswith("int8") and not linear.activations.startswith("int8")
+    assert experts.activations == openvino.activations(torch.bfloat16, 64) and linear.activations == \
+        openvino.activations(torch.bfloat16, 32)
+    assert kernels.kernels(model, 256)["experts"].startswith(f"OpenVINO int4 x {experts.activations}, groups of 64")
+
+    def pair(run, width, group):
+        rows = torch.zeros(2, width, dtype=torch.bfloat16)
+        rows[:, 0], rows[1, 1:group] = 1.0, 1 / 1024  # unquantised, ~0.5% of each output: seen in bf16
+        return [run(rows[i : i + 1]).float() for i in range(2)]
+
+    checks = [(experts.activations, pair(lambda row: experts(row, [1] + [0] * (experts.num_experts - 1)),
+                                         experts.hidden, 64)),
+              (linear.activations, pair(linear, linear.in_features, 32))]
+    for named, (alone, beside) in checks:
+        assert torch.equal(alone, beside) == named.startswith("int8"), named

@@ -19,8 +19,10 @@ the int4 weights to it, part by part (`takes`), as compiled graphs:
 
 The codes are dgemma's (two's-complement nibbles, `formats.quantize_tensor`, or read back from torch's int4
 kernel layout), handed over without the zero point the stored format carries. Activations cross as views
-of torch's buffers (input, offsets, output: no copies), in the model's dtype (bf16 or fp32; the products
-run in bf16 either way).
+of torch's buffers (input, offsets, output: no copies), in the model's dtype (bf16 or fp32). The products run
+on bf16 activations, or where OpenVINO quantises them on the fly (it does on an AMD Zen 4: AVX-512 with VNNI
+and AVX512_BF16, no AMX) on int8 ones per group of the weights' own size (`compile_config`; `activations` asks
+which).
 
 One copy: OpenVINO repacks the weights into its own memory when a graph first runs, so each graph runs once
 at hand-over on one row per expert (every fully connected layer repacks), and then the module's own codes
@@ -37,15 +39,16 @@ graph would also keep the intermediate tensors of the largest call it has run: a
 as it returns (`RELEASE_ROWS`), so a step holds one graph's at a time (glibc keeps part of what they free,
 fragmented between torch's allocations, and once in every malloc arena the graphs' threads use: a 26B step rose
 ~3 GiB over the resident set with glibc's arena per thread, against 0.9 on torch's kernels; MALLOC_ARENAS takes
-~0.5 GiB off that, and the plan counts the rest, KEPT_SHARE). So the hand-over is planned (`plan`,
-`library_bytes`): in dgemma's groups of 32 where the process then stays within MEMORY_SHARE of the machine's
-memory, else the experts quantised again in groups of 64 (half the per-group numbers; the 26B-A4B on a 24 GB
-machine), and as many layers as fit; the others keep dgemma's copy and torch's kernels.
+~0.5 GiB off that, and the plan counts the rest, KEPT_SHARE). So the hand-over is planned
+(`dgemma.quant.openvino_memory`: `plan`, `library_bytes`): in dgemma's groups of 32 where the process then stays
+within MEMORY_SHARE of the machine's memory, else the experts quantised again in groups of 64 (half the
+per-group numbers; the 26B-A4B on a 24 GB machine), and as many layers as fit; the others keep dgemma's copy
+and torch's kernels.
 """
 
 from __future__ import annotations
 
-import gc
+import functools
 import importlib.util
 import itertools
 
@@ -53,26 +56,14 @@ import torch
 from torch import nn
 
 from dgemma import processes
+from dgemma.quant.openvino_memory import (  # noqa: F401 (the plan's names, read as openvino.* by callers)
+    GROUP, MEMORY_SHARE, canvas_entries, held_bytes, library_bytes, plan, reserve_bytes)
 
-GROUP = 32
-# What OpenVINO holds besides the codes and two fp32 numbers per group, per fully connected layer (measured:
-# ~0.13-0.21 MiB), for `library_bytes`
-FC_BYTES = 200 << 10
 # A call of at least this many rows hands its intermediate tensors back as it returns (`_Graph.run`): kept, each
 # graph would hold those of the largest call it has run (~56 MiB per experts layer of the 26B at a canvas; with
 # 27 layers and their linears, 3.7 GiB over a step), while one-row calls (an AR token) keep theirs, a few KiB,
 # and skip the release's ~0.1 ms
 RELEASE_ROWS = 64
-# What glibc still keeps of an experts graph's canvas call once handed back, as a share of its intermediate
-# tensors (`experts_call_bytes`): freed, but fragmented between torch's allocations. Set so that the plan's
-# sum matches the 26B's measured peaks in groups of 64 (7.33 GiB predicted against 7.38 measured at 8 layers,
-# 20.0 against 20.07 at 30, with an arena per thread): the step's peak over torch's is 80-90 MiB a layer, and
-# `library_bytes`' copy term runs high by about the rest (benchmarks/README.md). With MALLOC_ARENAS the 26B's
-# step peaks ~0.5 GiB lower (19.55 GiB): the plan keeps that as margin
-KEPT_SHARE = 2 / 3
-# The hand-over plans the process's memory within this share of the machine's (and what is available):
-# on a 24 GB machine, 20 GiB
-MEMORY_SHARE = 0.85
 # Linear layers from this many weights go to the library; smaller ones keep dgemma's path, where a graph call's
 # fixed cost (~40 us) is more than the product (bench-20m's 256 x 256 layers)
 MIN_LINEAR_WEIGHTS = 1 << 20
@@ -181,6 +172,41 @@ def library_stack(q: torch.Tensor, scales: torch.Tensor, kernel: bool, group: in
     return codes, s
 
 
+def compile_config(threads: int, group: int) -> dict:
+    """The CPU plugin's settings for a graph of int4 weights in groups of `group`. Where OpenVINO quantises the
+    activations to int8 on the fly (on a Zen 4 under the bf16 hint too: `activations` asks), it does so
+    per group of DYNAMIC_QUANTIZATION_GROUP_SIZE, and only where that group divides the weights' (a group of 64
+    over weights in groups of 32 multiplies them unquantised, about twice as slow): so the weights' own group.
+    For the 26B's experts, regrouped to 64 on a 24 GB machine (`plan`), that is 64, not 32: an expert's 16 rows
+    0.25 + 0.15 against 0.31 + 0.18 ms on a Zen 4, the whole step 5.8 against 6.6 s (benchmarks/README.md)."""
+    return {"INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": group, "INFERENCE_PRECISION_HINT": "bf16"}
+
+
+@functools.cache
+def activations(dtype: torch.dtype, group: int) -> str:
+    """What OpenVINO's fully connected layers multiply int4 weights in groups of `group` by, for inputs in `dtype`
+    (a `_Graph`'s: bf16 or fp32) with `compile_config`, as the start line names it: asked of a probe, since the
+    plugin does not say (its precision hint reads bf16 on an AVX512_BF16 CPU whose products then run on int8
+    activations). A one-row input of 1 and 1/1024 in the same group: quantised to int8 per group (symmetric or
+    not), 1/1024 rounds to 0, and the output is that of 1 alone."""
+    import numpy as np
+    import openvino.opset13 as ops
+
+    N, K = 256, 2 * group
+    codes = np.random.default_rng(0).integers(0, 256, (N, K // 2), dtype=np.uint8)
+    graph = _Graph(dtype, group)
+    x = ops.parameter([-1, K], graph.io_type, name="x")
+    w = graph.weight(codes, np.full((N, K // group), 1 / 16, dtype=np.float16))
+    graph.compile(ops.matmul(ops.convert(x, graph.ov.Type.f32), w, False, True), [x], 1, "probe")
+    rows = torch.zeros(2, K, dtype=graph.dtype)
+    rows[:, 0], rows[1, 1] = 1.0, 1 / 1024
+    outputs = [graph.run(rows[i : i + 1], out_features=N) for i in range(2)]
+    hint = str(graph.compiled.get_property("INFERENCE_PRECISION_HINT")).lower()  # e.g. "<Type: 'bfloat16'>"
+    precision = "bf16" if "bf16" in hint or "bfloat16" in hint else "fp32"
+    return "int8 (quantised on the fly)" if torch.equal(*outputs) else precision
+
+
 class _Graph:
     """What both kinds share: building int4 weights into a graph, compiling it, calling it on torch tensors."""
 
@@ -212,15 +238,14 @@ class _Graph:
 
         ov = self.ov
         y = ops.convert(outputs, self.io_type)
-        self.compiled = compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False,
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": GROUP, "INFERENCE_PRECISION_HINT": "bf16"})
+        self.compiled = compiled = ov.Core().compile_model(ov.Model([y], inputs, name), "CPU",
+                                                          compile_config(threads, self.group))
         self.request = compiled.create_infer_request()
-        # what the fully connected layers multiply: bf16 activations where the CPU has bf16 (AVX512_BF16, AMX),
-        # else fp32, quantised to int8 per group of 32 on the fly where it has VNNI (OpenVINO's choice)
-        precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
-        self.activations = "bf16" if "bf16" in precision or "bfloat16" in precision else \
-            "int8 (dynamic, groups of 32) or fp32"
+
+    @property
+    def activations(self) -> str:
+        """What its products multiply the weights by (`activations`)."""
+        return activations(self.dtype, self.group)
 
     def tensor(self, t: torch.Tensor):
         """A torch tensor as an OpenVINO one over the same memory."""
@@ -367,84 +392,6 @@ def release(module: nn.Module, names: tuple[str, ...]):
     module.weights_in_library = True
 
 
-def library_bytes(module: nn.Module, group: int, entries: int) -> int:
-    """What a module costs once handed over in groups of `group` (measured, benchmarks/README.md): the int4
-    codes, two fp32 numbers per group (its scale, converted, and the kernel's transposed copy) and FC_BYTES
-    per fully connected layer that OpenVINO holds, and for routed experts what glibc keeps of their canvas
-    call of `entries` rows (KEPT_SHARE, `canvas_entries`). A call's intermediate tensors are handed back as it
-    returns (RELEASE_ROWS): the step's reserve holds the largest (`reserve_bytes`)."""
-    weights = [getattr(module, n) for n in ("gate_up_proj_q", "down_proj_q", "qweight") if hasattr(module, n)]
-    elements = sum(2 * q.numel() for q in weights)
-    layers = sum(q.shape[0] if q.dim() == 3 else 1 for q in weights)
-    kept = 0
-    if hasattr(module, "gate_up_proj_q"):
-        E, two_i, half_h = module.gate_up_proj_q.shape
-        kept = int(KEPT_SHARE * experts_call_bytes(entries, 2 * half_h, two_i // 2))
-    return elements // 2 + elements // group * 8 + layers * FC_BYTES + kept
-
-
-def canvas_entries(config) -> int:
-    """The (token, expert) rows a batch-1 canvas routes: what an experts graph's canvas call holds."""
-    return config.canvas_length * config.top_k_experts
-
-
-def experts_call_bytes(entries: int, hidden: int, intermediate: int) -> int:
-    """An experts graph's intermediate tensors for `entries` (token, expert) rows: fp32 input, gate|up, their
-    product and the output."""
-    return entries * (2 * hidden + 3 * intermediate) * 4
-
-
-def reserve_bytes(config) -> int:
-    """What a batch-1 step adds to the weights: its fp32 (L, V) logits and their kin, and the rest (measured
-    0.7-0.9 GiB at the 26B's shape, peak against the resident set before the step), and one experts graph's
-    intermediate tensors at a canvas."""
-    experts_call = experts_call_bytes(canvas_entries(config), config.hidden_size, config.moe_intermediate_size)
-    return 3 * config.canvas_length * config.vocab_size * 4 + (256 << 20) + experts_call
-
-
-def plan(chosen: list, config) -> tuple[int, list, str]:
-    """Which of the `chosen` (module, part) pairs the library takes, and the experts' group size, so that the
-    process stays within MEMORY_SHARE of the machine's memory and within what is available, with a step's
-    activations (`reserve_bytes` of the model's `config`) left free. Every linear layer first (a few percent of
-    the weights, as fast a gain as the experts' per layer), then the experts: all of them in dgemma's groups of
-    32, else in groups of 64 (the library's per-group numbers halve: ~15% less), as many layers as fit. ([], 32)
-    where nothing does. The third value says what bounded the process, in words."""
-    from dgemma import devices
-
-    # what a load left behind (transients in Python's reference cycles, heap glibc keeps) is not live: counted, it
-    # takes room from the plan, which for the whole 26B has ~0.1 GiB to spare (16.05 -> 15.95 GiB after its build)
-    gc.collect()
-    processes.release_freed_memory()
-    rss, available, total = processes.resident_memory()["rss"], devices.available_host_memory(), \
-        devices.total_host_memory()
-    ceiling = min(rss + available, int(MEMORY_SHARE * total))
-    bound = (f"{ceiling / 2**30:.2f} GiB: " + (f"{MEMORY_SHARE:.0%} of the machine's {total / 2**30:.2f} GiB"
-             if ceiling < rss + available else f"{rss / 2**30:.2f} GiB resident and {available / 2**30:.2f} available"))
-    room = ceiling - reserve_bytes(config) - rss  # what the hand-over may add
-    entries = canvas_entries(config)
-
-    def growth(module, part, group):
-        return library_bytes(module, group if part == "experts" else GROUP, entries) - held_bytes([module])
-
-    linears = [(m, p) for m, p in chosen if p == "linears"]
-    experts = [(m, p) for m, p in chosen if p == "experts"]
-    groups = [GROUP] + ([2 * GROUP] if experts and all(_groups_divide(m, 2 * GROUP) for m, _ in experts) else [])
-    for group in groups:
-        if sum(growth(m, p, group) for m, p in chosen) <= room:
-            return group, chosen, bound
-    taken, group = [], groups[-1]
-    for module, part in linears + experts:
-        cost = growth(module, part, group)
-        if cost <= room:
-            taken.append((module, part))
-            room -= cost
-    return group, taken, bound
-
-
-def _groups_divide(module: nn.Module, group: int) -> bool:
-    return all((2 * getattr(module, n).shape[-1]) % group == 0 for n in ("gate_up_proj_q", "down_proj_q"))
-
-
 def hand_over(model: nn.Module, *, required: bool, everything: bool, threads: int) -> dict[str, int]:
     """Give the library the parts it takes (`takes`) that `plan` fits in memory, module by module, each module's
     own copy released as soon as the library holds its own; one note on stderr where memory kept any on
@@ -488,8 +435,3 @@ def refuse(what: str):
 def in_library(model: nn.Module) -> bool:
     """Whether any module's weights are held by the library only."""
     return any(getattr(m, "weights_in_library", False) for m in model.modules())
-
-
-def held_bytes(modules) -> int:
-    """The int4 codes and scales these modules hold (what the library takes over)."""
-    return sum(t.numel() * t.element_size() for m in modules for t in m.buffers(recurse=False))
