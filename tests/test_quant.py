@@ -301,6 +301,30 @@ def test_int8_products_stay_exact_past_the_int32_range(monkeypatch):
     assert F.cosine_similarity(int8.logits(hidden), hidden @ table.t(), dim=-1).min() > 0.99
 
 
+def test_int8_table_soft_embedding_skips_the_entries_no_row_reaches(monkeypatch):
+    """The soft embedding multiplies only the vocabulary entries where some row's int8 code is nonzero (a
+    probability under 1/254 of its row's largest rounds to 0): the same int32 sums, so the same bits as the whole
+    product, over slices that are dense, sparse, and reached by no row at all."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(512, 32, generator=g)
+    logits = torch.randn(2, 5, 512, generator=g)
+    logits[..., :128] += 10  # the rows' largest: nearly every entry of the first slice reaches a nonzero code
+    logits[..., 128:256] = logits[..., 128:256] * 3 + 2  # a few entries of the second do
+    logits[..., 256:] -= 40  # none of the last two
+    probs = logits.softmax(-1)
+    int8 = int8_compute.Int8Table(table)
+    monkeypatch.setattr(int8_compute.Int8Table, "SOFT_SLICE", 128)
+    monkeypatch.setattr(int8_compute.Int8Table, "SPARSE_SHARE", -1.0)  # every slice multiplied whole
+    whole = int8.soft_embedding(probs, torch.float32)
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b, mm=torch._int_mm: calls.append(a.shape[1]) or mm(a, b))
+    monkeypatch.setattr(int8_compute.Int8Table, "SPARSE_SHARE", 0.75)
+    assert torch.equal(int8.soft_embedding(probs, torch.float32), whole)
+    assert len(calls) == 2 and calls[0] == 128 and 0 < calls[1] < 0.75 * 128, calls  # dense, sparse, none, none
+    cos = F.cosine_similarity(whole.flatten(0, 1), (probs @ table).flatten(0, 1), dim=-1)
+    assert cos.min() > 0.999
+
+
 def test_int8_compute_applies_to_quantised_cpu_models_only():
     model = _tiny_quantised("int8", torch.float32)
     assert not int8_compute.enable(dgemma.DiffusionGemma(dgemma.get_preset("tiny")), "on")  # float: nothing to do
