@@ -3,6 +3,7 @@
     python benchmarks/int8_compute.py threshold                      # rows where widening int4 to int8 pays
     python benchmarks/int8_compute.py step --quantize int8           # bench-20m's eager step and AR token
     python benchmarks/int8_compute.py layers --layers 1              # a few layers of the 26B-A4B shape
+    python benchmarks/int8_compute.py soft-embedding                 # the int8 table's soft embedding, sparse
 
 `threshold` times torch's int4 kernel against widening the same weight to int8 then torch._int_mm, at the
 26B's expert shapes and bench-20m's, for 8..256 rows (what `int8_compute.MIN_ROWS_TO_WIDEN` is set from).
@@ -10,7 +11,10 @@
 random-weight preset, both models built alike, timed turn about. `layers` builds the released 26B-A4B shape
 with `--layers` layers and a `--vocab` table (random int4 weights, bf16), times the parts of a canvas step
 off and on, checks each part's output against the float path, and projects the full model's step from them
-(30 layers, the 262k table): a projection, not a run of the full model. Prints a table, then one JSON line.
+(30 layers, the 262k table): a projection, not a run of the full model. `soft-embedding` times the int8
+table's soft embedding (the 26B's 262,144 x 2,816 table, a canvas's 256 rows) on probabilities from logits of
+growing spread, each slice multiplied whole against over only the entries some row's code reaches
+(`Int8Table.SPARSE_SHARE`), and checks both give the same bits. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def step(args) -> dict:
 def layers(args) -> dict:
     full = dgemma.get_preset(args.preset)
     config = dataclasses.replace(full, num_layers=args.layers, layer_types=full.layer_types[: args.layers],
-                                 vocab_size=args.vocab)
+                                 vocab_size=args.vocab or 65536)
     off, on = (random_model(config, dtype=torch.bfloat16, quantize="int4", seed=0) for _ in range(2))  # alike
     assert int8_compute.enable(on, "on")
     L, H = config.canvas_length, config.hidden_size
@@ -144,20 +148,60 @@ def layers(args) -> dict:
     return {"parts": parts, "projected_step_s": projected, "vocab": config.vocab_size, "layers": args.layers}
 
 
+def soft_embedding(args) -> dict:
+    """The int8 table's soft embedding, whole slices against the entries reached, on softmax(spread * N(0, 1))
+    logits: the wider the spread, the fewer entries any row's int8 code reaches."""
+    from dgemma.engine.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the engine runs: a fresh (256, slice) temporary each call costs page faults otherwise
+    config = dgemma.get_preset(args.preset)
+    V, H = args.vocab or config.vocab_size, config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    table = int8_compute.Int8Table(torch.randn(V, H, generator=g, dtype=torch.bfloat16))
+    out = {"vocab": V, "hidden": H, "rows": config.canvas_length}
+    print(f"  soft embedding, {config.canvas_length} rows x {V:,} entries x {H:,} (int8 table), ms")
+    for spread in (1, 3, 6, 12):
+        probs = torch.randn(config.canvas_length, V, generator=g).mul_(spread).softmax(-1)
+        results = {}
+
+        def run(share, name):
+            def call():
+                int8_compute.Int8Table.SPARSE_SHARE = share
+                results[name] = table.soft_embedding(probs, torch.bfloat16)
+            return call
+
+        t = best_of({"whole": run(-1.0, "whole"), "reached": run(int8_compute.Int8Table.SPARSE_SHARE, "reached")},
+                    args.repeats)
+        flat = probs * table.scale
+        codes = flat.div_(flat.amax(-1, keepdim=True) / 127).round_()
+        reached = codes.amax(0).gt(0).float().mean().item()
+        out[f"spread_{spread}"] = {"reached_share": round(reached, 4), "whole_ms": round(t["whole"] * 1e3, 1),
+                                   "reached_ms": round(t["reached"] * 1e3, 1),
+                                   "same_bits": torch.equal(results["whole"], results["reached"])}
+        print(f"  logits N(0, {spread:>2}^2): {reached:6.1%} of entries reached, whole {t['whole'] * 1e3:6.1f}, "
+              f"reached only {t['reached'] * 1e3:6.1f} ({t['whole'] / t['reached']:.2f}x), "
+              f"same bits: {out[f'spread_{spread}']['same_bits']}")
+        del probs, flat, codes
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["threshold", "step", "layers"])
-    p.add_argument("--preset", default=None, help="default bench-20m (step), diffusiongemma-26b-a4b (layers)")
+    p.add_argument("what", choices=["threshold", "step", "layers", "soft-embedding"])
+    p.add_argument("--preset", default=None,
+                   help="default bench-20m (step), diffusiongemma-26b-a4b (layers, soft-embedding)")
     p.add_argument("--quantize", choices=["int8", "int4"], default="int8")
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=65536, help="table rows for `layers` (projected to the full one)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="table rows: `layers` 65,536 (projected to the full one), `soft-embedding` the preset's")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    args.preset = args.preset or ("diffusiongemma-26b-a4b" if args.what == "layers" else "bench-20m")
+    args.preset = args.preset or ("bench-20m" if args.what == "step" else "diffusiongemma-26b-a4b")
     out = {"what": args.what, "preset": args.preset, "threads": torch.get_num_threads(),
            "int8_dot_products": devices.cpu_has_int8_dot()}
-    out.update({"threshold": threshold, "step": step, "layers": layers}[args.what](args))
+    out.update({"threshold": threshold, "step": step, "layers": layers,
+                "soft-embedding": soft_embedding}[args.what](args))
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
 
