@@ -160,17 +160,12 @@ def soft_embedding(args) -> dict:
     table = int8_compute.Int8Table(torch.randn(V, H, generator=g, dtype=torch.bfloat16))
     out = {"vocab": V, "hidden": H, "rows": config.canvas_length}
     print(f"  soft embedding, {config.canvas_length} rows x {V:,} entries x {H:,} (int8 table), ms")
+    shipped = int8_compute.Int8Table.SPARSE_SHARE
     for spread in (1, 3, 6, 12):
         probs = torch.randn(config.canvas_length, V, generator=g).mul_(spread).softmax(-1)
         results = {}
-
-        def run(share, name):
-            def call():
-                int8_compute.Int8Table.SPARSE_SHARE = share
-                results[name] = table.soft_embedding(probs, torch.bfloat16)
-            return call
-
-        t = best_of({"whole": run(-1.0, "whole"), "reached": run(int8_compute.Int8Table.SPARSE_SHARE, "reached")},
+        t = best_of({name: _soft_embedding_call(table, probs, share, results, name)
+                     for name, share in (("whole", -1.0), ("reached", shipped))},
                     args.repeats)
         flat = probs * table.scale
         codes = flat.div_(flat.amax(-1, keepdim=True) / 127).round_()
@@ -181,8 +176,16 @@ def soft_embedding(args) -> dict:
         print(f"  logits N(0, {spread:>2}^2): {reached:6.1%} of entries reached, whole {t['whole'] * 1e3:6.1f}, "
               f"reached only {t['reached'] * 1e3:6.1f} ({t['whole'] / t['reached']:.2f}x), "
               f"same bits: {out[f'spread_{spread}']['same_bits']}")
-        del probs, flat, codes
+    int8_compute.Int8Table.SPARSE_SHARE = shipped
     return out
+
+
+def _soft_embedding_call(table, probs, share: float, results: dict, name: str):
+    """A call of the table's soft embedding with SPARSE_SHARE = `share`, its result kept in results[name]."""
+    def call():
+        int8_compute.Int8Table.SPARSE_SHARE = share
+        results[name] = table.soft_embedding(probs, torch.bfloat16)
+    return call
 
 
 def main():
