@@ -168,8 +168,8 @@ class Int8Table:
     # A slice of the soft embedding where at most this share of the entries has a nonzero code in some row
     # multiplies only those: the same int32 sums. Probabilities under 1/254 of their row's largest (weighted)
     # one round to code 0, and a canvas's rows share few entries above that: 0.1-20% of the 262k in the 26B's
-    # bench steps. 256 x 262,144 x 2,816 on a Zen 4: 697 -> 146 ms at a few %, 694 -> 618 at ~54%; at ~100%
-    # the gathers would double the time (benchmarks/README.md)
+    # bench steps. 256 x 262,144 x 2,816 on a Zen 4 (`benchmarks/int8_compute.py soft-embedding`): 631 -> 95 ms
+    # at 4.5% reached, 643 -> 564 at 63%; reached whole, gathering every entry would double the time
     SPARSE_SHARE = 0.75
 
     def __init__(self, table: torch.Tensor, chunk_rows: int = 8192):
