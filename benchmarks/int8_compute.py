@@ -13,7 +13,7 @@ with `--layers` layers and a `--vocab` table (random int4 weights, bf16), times 
 off and on, checks each part's output against the float path, and projects the full model's step from them
 (30 layers, the 262k table): a projection, not a run of the full model. `soft-embedding` times the int8
 table's soft embedding (the 26B's 262,144 x 2,816 table, a canvas's 256 rows) on probabilities from logits of
-growing spread, each slice multiplied whole against over only the entries some row's code reaches
+growing spread, each slice multiplied whole against only the entries some row's code reaches
 (`Int8Table.SPARSE_SHARE`), and checks both give the same bits. Prints a table, then one JSON line.
 """
 
